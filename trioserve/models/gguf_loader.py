@@ -1,0 +1,119 @@
+"""GGUF checkpoints: metadata, tokenizer and dequantized tensors, renamed to
+Hugging Face names and with llama.cpp's Q/K row permutation undone."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from trioserve.errors import CheckpointError, TokenizerError
+from trioserve.models.checkpoint import Checkpoint, Progress, check_complete
+from trioserve.models.config import config_from_gguf
+from trioserve.models.gguf_file import metadata, open_reader
+from trioserve.models.tokenizer import Tokenizer
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    | {Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M}
+)
+
+# GGUF tensor name -> HF tensor name; {n} is the layer index.
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# Architectures whose converter interleaves the rotary halves of Q and K.
+_PERMUTED = {"llama", "mistral"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name for a GGUF tensor name, or None for tensors we do not use."""
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return None
+
+
+def gguf_name(name: str) -> str:
+    """The inverse of `hf_name`, for messages about missing tensors."""
+    for g, h in _TOP.items():
+        if h == name:
+            return g
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m:
+        for g, h in _LAYER.items():
+            if h == m.group(2):
+                return f"blk.{m.group(1)}.{g}"
+    return name
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleave of Q/K rows: GGUF stores each head's
+    rows as pairs (2i, 2i+1) for interleaved RoPE; we use rotate-half."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
+    reader = open_reader(path)
+    meta = metadata(reader)
+    size = path.stat().st_size
+    tensors = {}
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise CheckpointError(path, f"tensor {t.name!r} uses quantization type {t.tensor_type.name}, which trioserve cannot load")
+        if t.data.nbytes != t.n_bytes or t.data_offset + t.n_bytes > size:
+            raise CheckpointError(path, f"truncated file: tensor {t.name!r} runs past the end of the data")
+        name = hf_name(t.name)
+        if name is not None:
+            tensors[name] = t
+    if "model.embed_tokens.weight" not in tensors:
+        raise CheckpointError(path, "missing tensor 'token_embd.weight'")
+    vocab = int(tensors["model.embed_tokens.weight"].shape[-1])
+    config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
+    check_complete(path, config, set(tensors), spelled=gguf_name)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except TokenizerError as exc:
+        raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from exc
+
+    weights: dict[str, torch.Tensor] = {}
+    for done, (name, t) in enumerate(tensors.items(), start=1):
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if config.architecture in _PERMUTED:
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                array = unpermute_rows(array, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                array = unpermute_rows(array, config.num_kv_heads)
+        if not np.isfinite(array).all():
+            raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
+        if progress is not None:
+            progress(done, len(tensors))
+    return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights)

@@ -1,0 +1,149 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged
+KV cache. One `forward` call runs every sequence of a step together: prefill
+chunks and decode tokens packed in one tensor, no Python loop over sequences.
+
+Weights are fused at load time (Q, K and V in one matrix; gate and up in
+another) so a layer is four matmuls."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from trioserve.kernels import reference as ops
+from trioserve.models.config import ModelConfig, RopeScaling
+from trioserve.models.step import StepBatch
+
+
+@attrs.frozen
+class KVCache:
+    """K and V for every layer: [layers, num_blocks, block_size, KVH, D] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[2])
+
+
+@attrs.frozen
+class _Layer:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, divisors: torch.Tensor | None) -> torch.Tensor:
+    """Rotary frequencies [head_dim / 2] in fp64, after scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling.kind == "linear":
+        inv = inv / scaling.factor
+    elif scaling.kind == "llama3":
+        wavelen = 2 * math.pi / inv
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+        inv = torch.where(wavelen > low_wavelen, inv / scaling.factor, torch.where(wavelen < high_wavelen, inv, blended))
+    if divisors is not None:
+        inv = inv / divisors.to(torch.float64)
+    return inv
+
+
+class LlamaModel:
+    """Owns the weights on one device. Not thread-safe: one step at a time."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: str | torch.device = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(self.device).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w(a + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                _Layer(
+                    attn_norm=w(p + "input_layernorm.weight"),
+                    wqkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
+                    bqkv=bias,
+                    wo=w(a + "o_proj.weight"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                    w_down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        divisors = weights.get("rope_freqs")
+        inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
+        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
+        self.rope_cos = angles.cos().float().to(self.device)
+        self.rope_sin = angles.sin().float().to(self.device)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.config.kv_bytes_per_token_element * self.embed.element_size()
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        c = self.config
+        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return KVCache(
+            k=torch.zeros(shape, dtype=self.dtype, device=self.device),
+            v=torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """Run one step: write the new tokens' K/V into ``cache`` and return
+        the logits of each sequence's last new token, [S, vocab] in fp32."""
+        c = self.config
+        if int(batch.positions.max()) >= c.max_position:
+            raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
+        n_q = c.num_heads * c.head_dim
+        n_kv = c.num_kv_heads * c.head_dim
+        cos = self.rope_cos.index_select(0, batch.positions)
+        sin = self.rope_sin.index_select(0, batch.positions)
+        # The residual stream stays fp32 whatever the weights' dtype: SmolLM2
+        # and others grow "attention sink" activations (~25000) whose bf16
+        # rounding (±128) swamps the per-layer updates and derails greedy
+        # decoding. Norm outputs are cast back to the weights' dtype for matmuls.
+        h = F.embedding(batch.token_ids, self.embed).float()
+        for i, layer in enumerate(self.layers):
+            x = ops.rms_norm(h, layer.attn_norm, c.rms_eps).to(self.dtype)
+            qkv = F.linear(x, layer.wqkv, layer.bqkv)
+            q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
+            k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
+            q = ops.apply_rope(q, cos, sin)
+            k = ops.apply_rope(k, cos, sin)
+            ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k, v.contiguous())
+            attn = ops.paged_attention(q, cache.k[i], cache.v[i], batch.block_tables, batch.pad_index, batch.mask, self.scale)
+            h = h + F.linear(attn.reshape(-1, n_q), layer.wo)
+            x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps).to(self.dtype)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+        last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,272 @@
+"""Text <-> token ids for a checkpoint, built from GGUF metadata or a Hugging Face
+tokenizer directory.
+
+The splitting and merging is done by the `tokenizers` library; this module owns
+turning checkpoint metadata into one configured `tokenizers.Tokenizer`, the
+special-token bookkeeping (BOS, EOS, stop ids, which ids are control tokens)
+and the exact bytes behind every id, which the detokenizer streams from."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from trioserve.errors import TokenizerError
+
+# Token types in GGUF's tokenizer.ggml.token_type that are matched as whole ids.
+_CONTROL, _USER_DEFINED = 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible table from each byte to a printable character: bytes
+    that are already printable keep their code point, the rest are moved to
+    256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
+
+
+def _byte_level_pre(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp uses for the GGUF `tokenizer.ggml.pre` name;
+    unknown names get GPT-2's byte-level regex."""
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in ("llama-bpe", "qwen2"):
+        split = _LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _require(meta: Mapping[str, Any], key: str) -> Any:
+    """`meta[key]`, or TokenizerError naming the missing key."""
+    if key not in meta:
+        raise TokenizerError(f"tokenizer metadata lacks {key!r}")
+    return meta[key]
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer. Build it with `from_gguf_metadata` or
+    `from_hf_dir`; the constructor only wires up parts already checked."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        byte_level: bool,
+        bos_id: int | None,
+        eos_id: int,
+        extra_stop_ids: Sequence[int] = (),
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self.byte_level = byte_level
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        for name, tid in [("bos", bos_id), ("eos", eos_id), *(("stop", t) for t in extra_stop_ids)]:
+            if tid is not None and not (isinstance(tid, int) and 0 <= tid < self.vocab_size):
+                raise TokenizerError(f"{name} token id {tid} is outside the vocabulary of {self.vocab_size}")
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.stop_ids: frozenset[int] = frozenset([eos_id, *extra_stop_ids])
+        self.add_bos = bool(add_bos) and bos_id is not None
+        self.chat_template = chat_template
+        added = backend.get_added_tokens_decoder()
+        self._special = frozenset(i for i, t in added.items() if t.special)
+        self._bytes = [self._compute_bytes(i, added) for i in range(self.vocab_size)]
+        self.bos_token: str | None = None if bos_id is None else self._text_of(bos_id)
+        self.eos_token: str = self._text_of(eos_id)
+
+    def _text_of(self, token_id: int) -> str:
+        return self._bytes[token_id].decode("utf-8", errors="replace")
+
+    def _compute_bytes(self, token_id: int, added: Mapping[int, AddedToken]) -> bytes:
+        """The bytes one id stands for: added tokens are their own UTF-8 text;
+        byte-level pieces go back through GPT-2's table; SentencePiece-style
+        pieces map `<0xNN>` to a byte and `▁` to a space (a best effort: the
+        detokenizer does not rely on it for non-byte-level tokenizers)."""
+        if token_id in added:
+            return added[token_id].content.encode()
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self.byte_level:
+            return b"".join(
+                bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in piece
+            )
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """A byte-level BPE tokenizer from GGUF `tokenizer.*` metadata; raises
+        TokenizerError for other tokenizer models or missing/inconsistent keys."""
+        kind = _require(meta, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(
+                f"tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE)"
+            )
+        tokens = list(_require(meta, "tokenizer.ggml.tokens"))
+        merges = list(_require(meta, "tokenizer.ggml.merges"))
+        types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        if len(types) != len(tokens):
+            raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
+        vocab: dict[str, int] = {}
+        for i, tok in enumerate(tokens):
+            vocab.setdefault(tok, i)
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")
+            if not sep or a not in vocab or b not in vocab:
+                raise TokenizerError(f"merge {m!r} does not name two tokens of the vocabulary")
+            pairs.append((a, b))
+        pre = meta.get("tokenizer.ggml.pre")
+        try:
+            bpe = models.BPE(vocab, pairs, ignore_merges=pre == "llama-bpe")
+        except Exception as exc:  # the Rust side reports any inconsistency as a plain Exception
+            raise TokenizerError(f"cannot build BPE from the vocabulary and merges: {exc}") from exc
+        backend = tokenizers.Tokenizer(bpe)
+        backend.pre_tokenizer = _byte_level_pre(pre)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(
+            [
+                AddedToken(tok, special=True, normalized=False)
+                for tok, tok_type in zip(tokens, types, strict=True)
+                if tok_type in (_CONTROL, _USER_DEFINED) and tok
+            ]
+        )
+        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+        return cls(
+            backend,
+            byte_level=True,
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_id=_require(meta, "tokenizer.ggml.eos_token_id"),
+            extra_stop_ids=extra,
+            add_bos=meta.get("tokenizer.ggml.add_bos_token", False),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
+        """A tokenizer from a Hugging Face directory: tokenizer.json (required),
+        tokenizer_config.json and generation_config.json (optional)."""
+        path = Path(path)
+        try:
+            raw = (path / "tokenizer.json").read_text(encoding="utf-8")
+            backend = tokenizers.Tokenizer.from_str(raw)
+        except OSError as exc:
+            raise TokenizerError(f"cannot read {path / 'tokenizer.json'}: {exc.strerror}") from exc
+        except Exception as exc:
+            raise TokenizerError(f"{path / 'tokenizer.json'} is not a valid tokenizer: {exc}") from exc
+        config = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+
+        def token_id(field: str) -> int | None:
+            value = config.get(field)
+            text = value.get("content") if isinstance(value, dict) else value
+            if text is None:
+                return None
+            tid = backend.token_to_id(text)
+            if tid is None:
+                raise TokenizerError(f"{field} {text!r} is not in the vocabulary")
+            return tid
+
+        gen_eos = gen.get("eos_token_id")
+        gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        eos_id = token_id("eos_token")
+        if eos_id is None:
+            if not gen_eos:
+                raise TokenizerError(f"{path}: no eos_token in tokenizer_config.json or generation_config.json")
+            eos_id = gen_eos[0]
+        bos_id = token_id("bos_token")
+        add_bos = config.get("add_bos_token")
+        if add_bos is None and bos_id is not None:
+            # No explicit flag: a post-processor that prepends BOS says yes.
+            with_post = backend.encode("a").ids[:1]
+            add_bos = with_post == [bos_id] and backend.encode("a", add_special_tokens=False).ids[:1] != with_post
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        decoder = json.loads(raw).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        byte_level = any(p.get("type") == "ByteLevel" for p in parts)
+        return cls(
+            backend,
+            byte_level=byte_level,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            extra_stop_ids=gen_eos,
+            add_bos=bool(add_bos),
+            chat_template=template,
+        )
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids for `text`; special-token text in it becomes its single id.
+        BOS is prepended when `add_bos` (default: the checkpoint's setting)."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """The text of `ids`. Byte-level: the tokens' bytes decoded as UTF-8 with
+        invalid sequences as U+FFFD (exactly what the detokenizer streams)."""
+        if not self.byte_level:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+        skip = self._special if skip_special else frozenset()
+        return b"".join(self.token_bytes(i) for i in ids if i not in skip).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes `token_id` stands for (special tokens: their text)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        return self._bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special (control) token, skipped by `decode`."""
+        return token_id in self._special
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when it does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} does not hold a JSON object")
+    return value

@@ -1,0 +1,128 @@
+"""Accounting for the fixed pool of KV cache blocks. Pure Python: no torch, no
+trio. The tensors live with the worker; this decides which block ids are whose.
+
+Blocks are reference counted so prefix sharing can hand one block to several
+sequences; a block returns to the free list when its last holder lets go."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+
+import attrs
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class PoolExhausted(Exception):
+    """Raised by `allocate` when fewer blocks are free than asked for. Callers
+    that plan ahead check `can_allocate` first and never see it."""
+
+
+@attrs.frozen
+class PoolStats:
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    block_size: int
+    sequences: int
+
+
+def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """How many whole blocks fit in ``budget_bytes``."""
+    if bytes_per_token <= 0 or block_size <= 0:
+        raise ValueError("bytes_per_token and block_size must be positive")
+    return budget_bytes // (bytes_per_token * block_size)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockPool:
+    """Block ids 0 .. num_blocks-1, each free or held by one or more owners."""
+
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._tables: dict[Hashable, list[int]] = {}
+
+    # -- blocks -----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks, each with one reference."""
+        if not self.can_allocate(n):
+            raise PoolExhausted(f"asked for {n} blocks, {len(self._free)} free of {self.num_blocks}")
+        out = [self._free.popleft() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Add one reference to blocks someone already holds."""
+        blocks = list(blocks)
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} is free; only held blocks can be shared")
+        for b in blocks:
+            self._refs[b] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block; a block nobody holds is free again."""
+        blocks = list(blocks)
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} released while free (double free)")
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    # -- per-sequence tables ---------------------------------------------
+    def table(self, seq: Hashable) -> list[int]:
+        """The blocks of ``seq`` in position order (a copy)."""
+        return list(self._tables.get(seq, ()))
+
+    def can_grow(self, seq: Hashable, num_tokens: int) -> bool:
+        return self.can_allocate(self._missing(seq, num_tokens))
+
+    def grow(self, seq: Hashable, num_tokens: int) -> list[int]:
+        """Make ``seq``'s table cover ``num_tokens`` tokens; returns the table."""
+        table = self._tables.setdefault(seq, [])
+        table.extend(self.allocate(self._missing(seq, num_tokens)))
+        return list(table)
+
+    def adopt(self, seq: Hashable, blocks: Iterable[int]) -> None:
+        """Start ``seq``'s table with blocks shared from elsewhere (prefix hits)."""
+        if self._tables.get(seq):
+            raise ValueError(f"sequence {seq!r} already has blocks")
+        blocks = list(blocks)
+        self.share(blocks)
+        self._tables[seq] = blocks
+
+    def free_sequence(self, seq: Hashable) -> int:
+        """Release all of ``seq``'s blocks; returns how many it held."""
+        table = self._tables.pop(seq, [])
+        self.release(table)
+        return len(table)
+
+    def _missing(self, seq: Hashable, num_tokens: int) -> int:
+        have = len(self._tables.get(seq, ()))
+        return max(0, blocks_needed(num_tokens, self.block_size) - have)
+
+    def stats(self) -> PoolStats:
+        free = len(self._free)
+        return PoolStats(self.num_blocks, free, self.num_blocks - free, self.block_size, len(self._tables))
