@@ -56,6 +56,8 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         n = len(chunk.token_ids)
         if n == 0:
             raise ValueError(f"sequence {s} has no new tokens")
+        if chunk.start < 0:
+            raise ValueError(f"sequence {s} starts at negative position {chunk.start}")
         end = chunk.start + n
         if len(chunk.block_table) * block_size < end:
             raise ValueError(f"sequence {s}: {len(chunk.block_table)} blocks cannot hold {end} tokens")

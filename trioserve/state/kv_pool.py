@@ -6,7 +6,7 @@ sequences; a block returns to the free list when its last holder lets go."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable
 
 import attrs
@@ -32,6 +32,8 @@ def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int =
     """How many whole blocks fit in ``budget_bytes``."""
     if bytes_per_token <= 0 or block_size <= 0:
         raise ValueError("bytes_per_token and block_size must be positive")
+    if budget_bytes < 0:
+        raise ValueError(f"a KV budget cannot be negative ({budget_bytes} bytes)")
     return budget_bytes // (bytes_per_token * block_size)
 
 
@@ -72,24 +74,32 @@ class BlockPool:
         """Add one reference to blocks someone already holds."""
         blocks = list(blocks)
         for b in blocks:
+            self._check_id(b)
             if self._refs[b] <= 0:
                 raise ValueError(f"block {b} is free; only held blocks can be shared")
         for b in blocks:
             self._refs[b] += 1
 
     def release(self, blocks: Iterable[int]) -> None:
-        """Drop one reference from each block; a block nobody holds is free again."""
+        """Drop one reference from each block; a block nobody holds is free again.
+        Checks the whole list before changing anything, repeats included."""
         blocks = list(blocks)
-        for b in blocks:
-            if self._refs[b] <= 0:
-                raise ValueError(f"block {b} released while free (double free)")
+        for b, times in Counter(blocks).items():
+            self._check_id(b)
+            if self._refs[b] < times:
+                raise ValueError(f"block {b} released {times} times but held {self._refs[b]} times (double free)")
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 self._free.append(b)
 
     def refcount(self, block: int) -> int:
+        self._check_id(block)
         return self._refs[block]
+
+    def _check_id(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block id {block} is outside the pool (0..{self.num_blocks - 1})")
 
     # -- per-sequence tables ---------------------------------------------
     def table(self, seq: Hashable) -> list[int]:
@@ -101,8 +111,9 @@ class BlockPool:
 
     def grow(self, seq: Hashable, num_tokens: int) -> list[int]:
         """Make ``seq``'s table cover ``num_tokens`` tokens; returns the table."""
+        new = self.allocate(self._missing(seq, num_tokens))  # may raise; nothing changed then
         table = self._tables.setdefault(seq, [])
-        table.extend(self.allocate(self._missing(seq, num_tokens)))
+        table.extend(new)
         return list(table)
 
     def adopt(self, seq: Hashable, blocks: Iterable[int]) -> None:
