@@ -1,0 +1,103 @@
+"""Forward-pass throughput of the default model on this machine.
+
+Measures prefill tokens/s for one 512-token prompt and decode tokens/s at 1, 8
+and 32 sequences with 256 tokens of context each, through the same paged
+forward the server uses. Optionally runs each dtype given, so the choice of
+serving dtype is a measurement, not a guess. Prints a table, then as its last
+line one JSON object for the first dtype:
+{"prefill_tokens_per_s": x, "decode_tokens_per_s": {"1": a, "8": b, "32": c}}
+
+    .venv/bin/python bench/forward.py [--dtype bfloat16 --dtype float32] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+from trioserve.cli import resolve_dtype
+from trioserve.models.checkpoint import load_checkpoint
+from trioserve.models.llama import LlamaModel
+from trioserve.models.step import SeqChunk, build_step
+from trioserve.state.kv_pool import BlockPool
+
+BLOCK = 16
+PROMPT = 512
+CONTEXT = 256
+BATCHES = (1, 8, 32)
+
+
+def measure(model: LlamaModel, *, decode_steps: int, repeats: int) -> dict:
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    pool = BlockPool(max(BATCHES) * (CONTEXT + decode_steps + BLOCK) // BLOCK + PROMPT // BLOCK + 8, BLOCK)
+    cache = model.new_kv_cache(pool.num_blocks, BLOCK)
+
+    prompt = torch.randint(3, vocab, (PROMPT,), generator=gen).tolist()
+    table = pool.grow("prefill", PROMPT)
+    step = build_step([SeqChunk(prompt, 0, table)], BLOCK)
+    model.forward(step, cache)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model.forward(step, cache)
+        times.append(time.perf_counter() - t)
+    prefill = PROMPT / min(times)
+    pool.free_sequence("prefill")
+
+    decode = {}
+    for batch in BATCHES:
+        tables = [pool.grow(("d", batch, i), CONTEXT + decode_steps) for i in range(batch)]
+        ctx = [torch.randint(3, vocab, (CONTEXT,), generator=gen).tolist() for _ in range(batch)]
+        model.forward(build_step([SeqChunk(c, 0, t) for c, t in zip(ctx, tables)], BLOCK), cache)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for k in range(decode_steps):
+                chunks = [SeqChunk([5 + i], CONTEXT + k, t) for i, t in enumerate(tables)]
+                model.forward(build_step(chunks, BLOCK), cache)
+            best = min(best, time.perf_counter() - t0)
+        decode[str(batch)] = batch * decode_steps / best
+        for i in range(batch):
+            pool.free_sequence(("d", batch, i))
+    return {"prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": {k: round(v, 1) for k, v in decode.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", action="append", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = args.dtype or ["bfloat16"]
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    results = {}
+    for name in dtypes:
+        checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(name))
+        model = LlamaModel(checkpoint.config, checkpoint.weights)
+        results[name] = measure(model, decode_steps=args.decode_steps, repeats=args.repeats)
+        del model, checkpoint
+    print(f"| dtype | prefill {PROMPT} tok/s | " + " | ".join(f"decode x{b} tok/s" for b in BATCHES) + " |")
+    print("|---|---|" + "---|" * len(BATCHES))
+    for name, r in results.items():
+        cells = " | ".join(f"{r['decode_tokens_per_s'][str(b)]:.1f}" for b in BATCHES)
+        print(f"| {name} | {r['prefill_tokens_per_s']:.1f} | {cells} |")
+    if len(results) > 1:
+        first, *rest = dtypes
+        for other in rest:
+            ratio = {b: results[first]["decode_tokens_per_s"][str(b)] / results[other]["decode_tokens_per_s"][str(b)] for b in BATCHES}
+            print(f"# decode speed {first}/{other}: " + ", ".join(f"x{b}: {r:.2f}" for b, r in ratio.items()))
+    print(json.dumps(results[dtypes[0]]))
+
+
+if __name__ == "__main__":
+    main()

