@@ -83,7 +83,7 @@ def main() -> None:
     results = {}
     for name in dtypes:
         checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(name))
-        model = LlamaModel(checkpoint.config, checkpoint.weights)
+        model = LlamaModel.from_checkpoint(checkpoint)
         results[name] = measure(model, decode_steps=args.decode_steps, repeats=args.repeats)
         del model, checkpoint
     print(f"| dtype | prefill {PROMPT} tok/s | " + " | ".join(f"decode x{b} tok/s" for b in BATCHES) + " |")

@@ -21,7 +21,7 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def smollm2():
     checkpoint = load_checkpoint("smollm2", dtype=torch.bfloat16)
-    model = LlamaModel(checkpoint.config, checkpoint.weights)
+    model = LlamaModel.from_checkpoint(checkpoint)
     tok = checkpoint.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
     return model, tok, template

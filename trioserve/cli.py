@@ -14,14 +14,20 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
 def _temperature(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 2, got {text!r}") from None
     if not 0.0 <= value <= 2.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 2, got {value}")
     return value
@@ -70,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype)
     progress = ProgressBar("Loading weights")
     checkpoint = load_checkpoint(args.model, dtype=dtype, progress=progress)
-    model = LlamaModel(checkpoint.config, checkpoint.weights)
+    model = LlamaModel.from_checkpoint(checkpoint)
     progress.finish(f" ({checkpoint.path}, {dtype})")
     tok = checkpoint.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)

@@ -184,8 +184,8 @@ def test_paged_attention_matches_dense_per_sequence():
     assert any(t != list(range(t[0], t[0] + len(t))) for t in tables if len(t) > 1)
 
     # Cache starts as large garbage, so anything read that should not be shows.
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g) * 50
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g) * 50
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=g) * 50
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=g) * 50
     full_k = [torch.randn(s + n, kv_heads, dim, generator=g) for s, n, _ in plan]
     full_v = [torch.randn(s + n, kv_heads, dim, generator=g) for s, n, _ in plan]
 
@@ -225,8 +225,8 @@ def test_paged_attention_single_decode_token_sees_whole_context():
     # One sequence, one new token at position 5: its output is the softmax-weighted
     # mean over all six cached values, so equal keys give the plain mean.
     block_size, dim = 4, 2
-    k_cache = torch.zeros(3, block_size, 1, dim)
-    v_cache = torch.zeros(3, block_size, 1, dim)
+    k_cache = torch.zeros(1, 3, block_size, dim)
+    v_cache = torch.zeros(1, 3, block_size, dim)
     step = build_step([SeqChunk([9], 5, [2, 0])], block_size)
     values = torch.arange(12, dtype=torch.float32).view(6, 1, dim)
     slots = torch.tensor([8, 9, 10, 11, 0, 1])  # block 2 then block 0

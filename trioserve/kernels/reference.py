@@ -4,7 +4,7 @@ and are the oracle the Triton twins are tested against.
 Layouts:
   x            [T, hidden]               packed tokens of every sequence in a step
   q            [T, H, D]; k, v [T, KVH, D]
-  k_cache      [num_blocks, block_size, KVH, D] (one layer; v_cache alike)
+  k_cache      [KVH, num_blocks, block_size, D] (one layer; v_cache alike)
   slot_mapping [T]     flat slot (block * block_size + offset) each token's K/V goes to
   block_tables [S, MB] block ids per sequence, padded with any valid id
 """
@@ -35,9 +35,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store each token's K and V at its slot, in place."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store each token's K and V [T, KVH, D] at its slot, in place."""
+    kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -57,21 +58,35 @@ def paged_attention(
     [S, max_q, MB * block_size] (True = may attend) carries causality and
     context length. Prefill chunks and single decode tokens mix freely.
     Returns [T, H, D] in q's dtype."""
-    n_seqs = block_tables.shape[0]
-    max_q = mask.shape[1]
+    n_seqs, max_q = mask.shape[0], mask.shape[1]
     _, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
     padded = q.new_zeros(n_seqs * max_q, heads, dim)
     padded.index_copy_(0, pad_index, q)
-    padded = padded.view(n_seqs, max_q, heads, dim).transpose(1, 2)
-    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [S, KVH, L, D]
-    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    # The KV-head-major cache layout makes the gather land contiguous: [KVH, S, L, D].
+    keys = _gather_blocks(k_cache, block_tables)
+    values = _gather_blocks(v_cache, block_tables)
     if max_q >= SDPA_MIN_QUERIES:
         out = F.scaled_dot_product_attention(
-            padded, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=heads != keys.shape[1]
-        )
+            padded.view(n_seqs, max_q, heads, dim).transpose(1, 2),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask[:, None],
+            scale=scale,
+            enable_gqa=heads != kv_heads,
+        ).transpose(1, 2)
     else:
-        out = _grouped_attention(padded, keys, values, mask, scale)
-    return out.transpose(1, 2).reshape(n_seqs * max_q, heads, dim).index_select(0, pad_index)
+        out = _grouped_attention(padded.view(n_seqs, max_q, heads, dim), keys, values, mask, scale)
+    return out.reshape(n_seqs * max_q, heads, dim).index_select(0, pad_index)
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[KVH, NB, BS, D] gathered through [S, MB] tables -> [KVH, S, MB * BS, D].
+    index_select over flattened blocks is ~4x faster than advanced indexing."""
+    kv_heads, _, block_size, dim = cache.shape
+    n_seqs, max_blocks = block_tables.shape
+    flat = cache.view(kv_heads, cache.shape[1], block_size * dim).index_select(1, block_tables.reshape(-1))
+    return flat.view(kv_heads, n_seqs, max_blocks * block_size, dim)
 
 
 # Below this many queries per sequence (decode steps, short chunks) two
@@ -82,14 +97,16 @@ SDPA_MIN_QUERIES = 64
 def _grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention as two batched matmuls with the query heads of each KV head
-    stacked as rows. q [S, H, Q, D]; keys, values [S, KVH, L, D]; mask [S, Q, L].
-    Softmax in fp32. Returns [S, H, Q, D]."""
-    n_seqs, heads, n_q, dim = q.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
+    """Attention as two batched matmuls, batched over (KV head, sequence), with
+    the query heads sharing a KV head stacked as rows. q [S, Q, H, D];
+    keys, values [KVH, S, L, D]; mask [S, Q, L]. Softmax in fp32.
+    Returns [S, Q, H, D]."""
+    n_seqs, n_q, heads, dim = q.shape
+    kv_heads, length = keys.shape[0], keys.shape[2]
     group = heads // kv_heads
-    rows = q.reshape(n_seqs, kv_heads, group * n_q, dim)
+    rows = q.view(n_seqs, n_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, n_seqs, group * n_q, dim)
     scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * scale
-    allowed = mask[:, None, None].expand(n_seqs, 1, group, n_q, length).reshape(n_seqs, 1, group * n_q, length)
+    allowed = mask[:, None].expand(n_seqs, group, n_q, length).reshape(n_seqs, group * n_q, length)
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).view(n_seqs, heads, n_q, dim)
+    out = torch.matmul(probs, values).view(kv_heads, n_seqs, group, n_q, dim)
+    return out.permute(1, 3, 0, 2, 4).reshape(n_seqs, n_q, heads, dim)

@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from trioserve.errors import CheckpointError
+from trioserve.kernels.int4 import Int4Parts
 from trioserve.models.config import ModelConfig
 from trioserve.models.tokenizer import Tokenizer
 
@@ -32,43 +33,63 @@ class Checkpoint:
     # rotary layout already rotate-half. "rope_freqs" holds per-frequency
     # divisors when the checkpoint carries them (Llama 3 GGUF files).
     weights: Mapping[str, torch.Tensor]
+    # Layer projections stored as Q4_0/Q4_1 in the file, also kept as their
+    # 4-bit codes (same names, same row order as ``weights``).
+    int4: Mapping[str, Int4Parts] = attrs.field(factory=dict)
 
     @property
     def name(self) -> str:
         return self.path.stem if self.path.is_file() else self.path.name
 
 
-def layer_weight_names(config: ModelConfig, layer: int) -> list[str]:
-    """Every tensor name one decoder layer must have."""
-    p = f"model.layers.{layer}."
-    names = [
-        p + "input_layernorm.weight",
-        p + "post_attention_layernorm.weight",
-        p + "mlp.gate_proj.weight",
-        p + "mlp.up_proj.weight",
-        p + "mlp.down_proj.weight",
-    ]
-    for proj in ("q", "k", "v", "o"):
-        names.append(f"{p}self_attn.{proj}_proj.weight")
-    if config.attention_bias:
-        names += [f"{p}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
-    return names
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with the shape the config implies
+    (torch order: [out, in] for matrices)."""
+    c = config
+    hidden, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    for layer in range(c.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (q_rows, hidden),
+                p + "self_attn.k_proj.weight": (kv_rows, hidden),
+                p + "self_attn.v_proj.weight": (kv_rows, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q_rows),
+                p + "mlp.gate_proj.weight": (c.intermediate_size, hidden),
+                p + "mlp.up_proj.weight": (c.intermediate_size, hidden),
+                p + "mlp.down_proj.weight": (hidden, c.intermediate_size),
+            }
+        )
+        if c.attention_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q_rows,),
+                    p + "self_attn.k_proj.bias": (kv_rows,),
+                    p + "self_attn.v_proj.bias": (kv_rows,),
+                }
+            )
+    return shapes
 
 
-def required_weight_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_embeddings:
-        names.append("lm_head.weight")
-    for layer in range(config.num_layers):
-        names += layer_weight_names(config, layer)
-    return names
-
-
-def check_complete(path: Path, config: ModelConfig, names: set[str], *, spelled: Callable[[str], str] = str) -> None:
-    """Raise CheckpointError naming the first tensor the model needs but the file lacks."""
-    for name in required_weight_names(config):
-        if name not in names:
+def check_complete(
+    path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], *, spelled: Callable[[str], str] = str
+) -> None:
+    """Raise CheckpointError naming the first tensor the model needs that the
+    file lacks, or whose shape contradicts the config."""
+    for name, want in expected_shapes(config).items():
+        if name not in shapes:
             raise CheckpointError(path, f"missing tensor {spelled(name)!r}")
+        have = tuple(int(d) for d in shapes[name])
+        if have != want:
+            raise CheckpointError(path, f"tensor {spelled(name)!r} has shape {have}, but the model's settings imply {want}")
 
 
 def resolve_model_path(model: str) -> Path:

@@ -82,7 +82,8 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
         scaling = RopeScaling("linear", float(meta.get(p + "rope.scaling.factor", 1.0)))
     elif kind not in ("none", None):
         raise CheckpointError(path, f"unsupported rope scaling type {kind!r}")
-    return ModelConfig(
+    return _build(
+        path,
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -98,6 +99,13 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
         attention_bias=GGUF_ARCHITECTURES[arch],
         rope_scaling=scaling,
     )
+
+
+def _build(path: Path, **fields: Any) -> ModelConfig:
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise CheckpointError(path, str(exc)) from exc
 
 
 def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:

@@ -36,11 +36,15 @@ def open_reader(path: str | Path) -> gguf.GGUFReader:
         raise CheckpointError(path, f"truncated or corrupt GGUF file ({exc})") from exc
 
 
-def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """All key/value fields as Python values (str, int, float, bool, lists)."""
+def metadata(reader: gguf.GGUFReader, path: str | Path) -> dict[str, Any]:
+    """All key/value fields as Python values (str, int, float, bool, lists).
+    A string that is not UTF-8 is a CheckpointError naming ``path``."""
     out: dict[str, Any] = {}
     for name, field in reader.fields.items():
-        value = field.contents()
+        try:
+            value = field.contents()
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(path, f"corrupt metadata: the value of {name!r} is not UTF-8 text") from exc
         if isinstance(value, np.generic):
             value = value.item()
         out[name] = value
@@ -49,4 +53,4 @@ def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of the GGUF file at ``path`` (see `metadata`)."""
-    return metadata(open_reader(path))
+    return metadata(open_reader(path), path)

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from trioserve.errors import CheckpointError, TokenizerError
+from trioserve.kernels.int4 import Int4Parts, parts_from_gguf
 from trioserve.models.checkpoint import Checkpoint, Progress, check_complete
-from trioserve.models.config import config_from_gguf
+from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
 from trioserve.models.tokenizer import Tokenizer
 
@@ -81,14 +82,11 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
     reader = open_reader(path)
-    meta = metadata(reader)
-    size = path.stat().st_size
+    meta = metadata(reader, path)
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             raise CheckpointError(path, f"tensor {t.name!r} uses quantization type {t.tensor_type.name}, which trioserve cannot load")
-        if t.data.nbytes != t.n_bytes or t.data_offset + t.n_bytes > size:
-            raise CheckpointError(path, f"truncated file: tensor {t.name!r} runs past the end of the data")
         name = hf_name(t.name)
         if name is not None:
             tensors[name] = t
@@ -96,24 +94,40 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         raise CheckpointError(path, "missing tensor 'token_embd.weight'")
     vocab = int(tensors["model.embed_tokens.weight"].shape[-1])
     config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
-    check_complete(path, config, set(tensors), spelled=gguf_name)
+    shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
+    check_complete(path, config, shapes, spelled=gguf_name)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as exc:
         raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from exc
 
     weights: dict[str, torch.Tensor] = {}
+    int4: dict[str, Int4Parts] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if config.architecture in _PERMUTED:
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                array = unpermute_rows(array, config.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                array = unpermute_rows(array, config.num_kv_heads)
+        heads = _permuted_heads(config, name)
+        if heads:
+            array = unpermute_rows(array, heads)
         if not np.isfinite(array).all():
             raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
+        if t.tensor_type in (Q.Q4_0, Q.Q4_1) and name.startswith("model.layers.") and array.ndim == 2:
+            parts = parts_from_gguf(t.data, t.tensor_type.name)
+            if heads:
+                parts = parts.take_rows(unpermute_rows(np.arange(array.shape[0]), heads))
+            int4[name] = parts
         if progress is not None:
             progress(done, len(tensors))
-    return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights)
+    return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=int4)
+
+
+def _permuted_heads(config: ModelConfig, name: str) -> int:
+    """How many heads the converter interleaved in this tensor's rows (0: none)."""
+    if config.architecture not in _PERMUTED:
+        return 0
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_kv_heads
+    return 0

@@ -60,7 +60,12 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
     except TokenizerError as exc:
         raise CheckpointError(directory, f"bad tokenizer: {exc}") from exc
     owner = _shards(directory)
-    check_complete(directory, config, set(owner))
+    shapes = {}
+    for file in sorted(set(owner.values())):
+        handle = _open(file)
+        for name in handle.keys():
+            shapes[name] = tuple(handle.get_slice(name).get_shape())
+    check_complete(directory, config, {n: shapes[n] for n in owner if n in shapes})
 
     by_file: dict[Path, list[str]] = {}
     for name, file in owner.items():

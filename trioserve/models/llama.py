@@ -15,35 +15,36 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import reference as ops
+from trioserve.kernels.int4 import Int4Parts, Projection, concat_rows
+from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
 
 
 @attrs.frozen
 class KVCache:
-    """K and V for every layer: [layers, num_blocks, block_size, KVH, D] each."""
+    """K and V for every layer: [layers, KVH, num_blocks, block_size, D] each."""
 
     k: torch.Tensor
     v: torch.Tensor
 
     @property
     def num_blocks(self) -> int:
-        return int(self.k.shape[1])
+        return int(self.k.shape[2])
 
     @property
     def block_size(self) -> int:
-        return int(self.k.shape[2])
+        return int(self.k.shape[3])
 
 
 @attrs.frozen
 class _Layer:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor
+    qkv: Projection
+    o: Projection
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    gate_up: Projection
+    down: Projection
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, divisors: torch.Tensor | None) -> torch.Tensor:
@@ -68,13 +69,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, divisors: t
 class LlamaModel:
     """Owns the weights on one device. Not thread-safe: one step at a time."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        int4: Mapping[str, Int4Parts] | None = None,
+        device: str | torch.device = "cpu",
+    ):
+        """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
+        small batches when the weights are bf16 on CPU."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = weights["model.embed_tokens.weight"].dtype
+        int4 = int4 or {}
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device).contiguous()
+
+        def projection(names: list[str], bias_names: list[str] | None = None) -> Projection:
+            """One matrix from ``names`` stacked by rows (fused projections)."""
+            weight = torch.cat([w(n) for n in names]).contiguous()
+            bias = torch.cat([w(n) for n in bias_names]) if bias_names else None
+            parts = concat_rows([int4[n] for n in names]) if all(n in int4 for n in names) else None
+            return Projection(weight, bias, parts)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -83,18 +101,17 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            bias = None
-            if config.attention_bias:
-                bias = torch.cat([w(a + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    wqkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
-                    bqkv=bias,
-                    wo=w(a + "o_proj.weight"),
+                    qkv=projection(
+                        [a + f"{x}_proj.weight" for x in "qkv"],
+                        [a + f"{x}_proj.bias" for x in "qkv"] if config.attention_bias else None,
+                    ),
+                    o=projection([a + "o_proj.weight"]),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                    w_down=w(p + "mlp.down_proj.weight"),
+                    gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=projection([p + "mlp.down_proj.weight"]),
                 )
             )
         divisors = weights.get("rope_freqs")
@@ -104,12 +121,16 @@ class LlamaModel:
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, *, use_int4: bool = True, device: str | torch.device = "cpu") -> LlamaModel:
+        return cls(checkpoint.config, checkpoint.weights, int4=checkpoint.int4 if use_int4 else None, device=device)
+
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token_element * self.embed.element_size()
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
-        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim)
         return KVCache(
             k=torch.zeros(shape, dtype=self.dtype, device=self.device),
             v=torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -133,7 +154,7 @@ class LlamaModel:
         h = F.embedding(batch.token_ids, self.embed).float()
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.attn_norm, c.rms_eps).to(self.dtype)
-            qkv = F.linear(x, layer.wqkv, layer.bqkv)
+            qkv = layer.qkv(x)
             q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
@@ -141,9 +162,9 @@ class LlamaModel:
             k = ops.apply_rope(k, cos, sin)
             ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k, v.contiguous())
             attn = ops.paged_attention(q, cache.k[i], cache.v[i], batch.block_tables, batch.pad_index, batch.mask, self.scale)
-            h = h + F.linear(attn.reshape(-1, n_q), layer.wo)
+            h = h + layer.o(attn.reshape(-1, n_q))
             x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps).to(self.dtype)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
         return F.linear(last, self.lm_head).float()

@@ -1,0 +1,24 @@
+"""Fixtures shared across the test tree: the tiny random Llama of
+tests/tiny_model.py, written once per session in every checkpoint format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import build_tiny_checkpoints
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Paths of the untied tiny model by kind: "hf" (two shards and an index),
+    "gguf_f32", "gguf_q8_0", "gguf_q4_1". Treat them as read-only."""
+    return build_tiny_checkpoints(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints_tied(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same kinds for a model whose output head is its embedding (no
+    lm_head.weight / output.weight in the files)."""
+    return build_tiny_checkpoints(tmp_path_factory.mktemp("tiny-tied"), tie=True)

@@ -1,0 +1,182 @@
+"""`trioserve generate` as a user meets it: usage errors and broken
+checkpoints are one line on stderr with exit status 2, and a working
+checkpoint prints exactly the model's greedy reply."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from trioserve import cli
+from trioserve.models.checkpoint import load_checkpoint
+from trioserve.models.generate import generate
+from trioserve.models.llama import LlamaModel
+
+ROOT = Path(__file__).resolve().parents[1]
+# The ChatML prompt the CLI must build for "hi": the tiny GGUF carries no
+# chat template, so the default (ChatML, no system prompt) applies.
+HI_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trioserve.cli", *args],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        cwd=ROOT,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        timeout=120,
+    )
+
+
+def assert_one_error_line(stderr: str, *fragments: str) -> None:
+    assert "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("trioserve: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, stderr)
+
+
+# -- broken checkpoints: one line naming the file, exit 2, no traceback ---------
+
+
+def missing(tmp: Path, ck: dict[str, Path]) -> tuple[Path, Path, str]:
+    return tmp / "absent.gguf", tmp / "absent.gguf", "no such file or directory"
+
+
+def not_gguf(tmp, ck):
+    (tmp / "notes.gguf").write_text("just some text, not a model\n")
+    return tmp / "notes.gguf", tmp / "notes.gguf", "not a GGUF file"
+
+
+def truncated_gguf(tmp, ck):
+    (tmp / "cut.gguf").write_bytes(ck["gguf_f32"].read_bytes()[:-1000])
+    return tmp / "cut.gguf", tmp / "cut.gguf", "truncated or corrupt GGUF file"
+
+
+def hf_gpt2(tmp, ck):
+    d = shutil.copytree(ck["hf"], tmp / "hf")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    return d, d / "config.json", "unsupported model_type 'gpt2'"
+
+
+BAD = [missing, not_gguf, truncated_gguf, hf_gpt2]
+
+
+@pytest.mark.parametrize("build", BAD, ids=[b.__name__ for b in BAD])
+def test_bad_checkpoint_is_one_line_and_exit_2(build, tmp_path, tiny_checkpoints):
+    model, named, problem = build(tmp_path, tiny_checkpoints)
+    proc = run_cli("generate", "--model", str(model), "--prompt", "hi")
+    assert proc.returncode == 2, proc.stderr
+    assert_one_error_line(proc.stderr, f"trioserve: error: {named}: ", problem)
+    assert proc.stdout == ""
+
+
+def _patched_gguf(src: Path, dst: Path, key: str, value: int) -> Path:
+    """A copy of ``src`` with the uint32 metadata ``key`` set to ``value``."""
+    data = bytearray(src.read_bytes())
+    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == gguf.GGUFValueType.UINT32
+    struct.pack_into("<I", data, at + 4, value)
+    dst.write_bytes(data)
+    return dst
+
+
+@pytest.mark.parametrize(("key", "value"), [("llama.attention.head_count_kv", 3), ("llama.attention.head_count", 8)])
+def test_inconsistent_gguf_metadata_is_one_line_naming_the_file(key, value, tmp_path, tiny_checkpoints, capsys):
+    # Inconsistent head counts: head_count_kv=3 (with 4 heads) does not divide;
+    # head_count=8 contradicts attn_q's rows. Both are one error line naming the file.
+    path = _patched_gguf(tiny_checkpoints["gguf_f32"], tmp_path / "inconsistent.gguf", key, value)
+    status = cli.main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2", "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert status == 2
+    # Load-progress lines may come first; the rest is the one error line.
+    rest = "\n".join(line for line in err.splitlines() if not line.startswith("Loading weights"))
+    assert_one_error_line(rest, f"trioserve: error: {path}: ")
+
+
+# -- usage errors: argparse's message names the option, before anything loads --
+
+
+def test_unknown_option_is_a_usage_error():
+    proc = run_cli("generate", "--prompt", "hi", "--bogus")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    # argparse reports leftovers from the top-level parser, hence its usage line.
+    assert proc.stderr.startswith("usage: trioserve ")
+    assert proc.stderr.splitlines()[-1] == "trioserve: error: unrecognized arguments: --bogus"
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-tokens", "0"], "argument --max-tokens: must be a positive integer, got 0"),
+        (["--temperature", "5"], "argument --temperature: must be between 0 and 2, got 5.0"),
+        (["--temperature", "-0.1"], "argument --temperature: must be between 0 and 2, got -0.1"),
+        (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        (["--threads", "0"], "argument --threads: must be a positive integer, got 0"),
+    ],
+)
+def test_bad_values_are_usage_errors(args, message, tmp_path, capsys):
+    # The model path does not exist: had parsing let the value through, the
+    # error would be about the file instead.
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--model", str(tmp_path / "absent.gguf"), "--prompt", "hi", *args])
+    assert info.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("usage: trioserve generate")
+    last = out.err.splitlines()[-1]
+    assert last.startswith("trioserve generate: error: " + message), last
+    assert "absent.gguf" not in out.err
+
+
+def test_prompt_is_required(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate"])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "trioserve generate: error: the following arguments are required: --prompt"
+
+
+# -- a working checkpoint ----------------------------------------------------------
+
+
+def test_generate_prints_exactly_the_models_greedy_reply(tiny_checkpoints):
+    path = tiny_checkpoints["gguf_f32"]
+    proc = run_cli("generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "5", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    # The same reply computed in-process from the same file.
+    ckpt = load_checkpoint(path, dtype=torch.float32)
+    tok = ckpt.tokenizer
+    assert tok.chat_template is None  # so the CLI must fall back to ChatML
+    prompt_ids = tok.encode(HI_PROMPT)
+    result = generate(LlamaModel(ckpt.config, ckpt.weights), tok, prompt_ids, max_tokens=5)
+    assert result.token_ids and tok.decode(result.token_ids)  # a non-empty reply to compare
+    assert proc.stdout == tok.decode(result.token_ids) + "\n"
+
+    lines = proc.stderr.splitlines()
+    # Not a TTY: a progress line per tenth of the 21 tensors, ending at 21/21.
+    progress = [line for line in lines if re.fullmatch(r"Loading weights: \d+/21 tensors", line)]
+    assert progress[-1] == "Loading weights: 21/21 tensors"
+    assert len(progress) == 11
+    assert re.fullmatch(rf"Loading weights: done in \d+\.\d s \({re.escape(str(path))}, torch\.float32\)", lines[-2])
+    reason = result.finish_reason
+    assert lines[-1] == f"[{len(prompt_ids)} prompt tokens, {len(result.token_ids)} generated, finish: {reason}]"
+    assert len(lines) == len(progress) + 2

@@ -1,0 +1,85 @@
+"""4-bit weights kept as 4-bit: GGUF Q4_0/Q4_1 blocks mapped onto torch's CPU
+int4 matmul without requantizing.
+
+torch's format stores, per group of 32 inputs, a bf16 scale and zero with
+    w = (q - 8) * scale + zero,   q in 0..15.
+Q4_1 stores w = q * d + m, so scale = d and zero = m + 8d; Q4_0 stores
+w = (q - 8) * d, so zero = 0. The only loss is rounding d and m from f16 to
+bf16, the same order as rounding the dequantized weights to bf16.
+
+At small batches a decode step is bound by reading weights, and 4-bit weights
+are a quarter of bf16's bytes; from a few dozen rows the bf16 matmul wins
+(bench/README.md), so `Projection` keeps both and picks per call."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+# Row counts up to this use the int4 kernel; more rows use bf16.
+INT4_MAX_ROWS = 16
+
+
+@attrs.frozen
+class Int4Parts:
+    """Unpacked 4-bit weight: q [N, K] uint8 in 0..15; scale, zero [N, K/32] fp32."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def take_rows(self, order: np.ndarray) -> Int4Parts:
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return Int4Parts(self.q[index], self.scale[index], self.zero[index])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = (self.q.float().view(n, k // GROUP, GROUP) - 8) * self.scale[..., None] + self.zero[..., None]
+        return w.view(n, k)
+
+
+def parts_from_gguf(raw: np.ndarray, qtype_name: str) -> Int4Parts:
+    """Split raw GGUF rows ([N, blocks * bytes_per_block] uint8) of a Q4_0 or
+    Q4_1 tensor into 4-bit codes and per-group scale and zero."""
+    rows = raw.shape[0]
+    header = {"Q4_0": 2, "Q4_1": 4}[qtype_name]
+    blocks = np.asarray(raw).reshape(rows, -1, header + GROUP // 2)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype_name == "Q4_1":
+        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    packed = blocks[:, :, header:]
+    # Low nibbles are a block's first 16 values, high nibbles the last 16.
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    return Int4Parts(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def concat_rows(parts: list[Int4Parts]) -> Int4Parts:
+    return Int4Parts(
+        torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
+    )
+
+
+class Projection:
+    """y = x @ W.T, with W held in the model dtype and, when given, also as
+    packed int4 used for calls with at most INT4_MAX_ROWS rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Parts | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.packed = None
+        if int4 is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(int4.q.to(torch.int32), 1)
+            # [K/32, N, 2] as the kernel wants it.
+            self.scales_zeros = torch.stack([int4.scale, int4.zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= INT4_MAX_ROWS:
+            y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
