@@ -2,12 +2,12 @@
 
 Measures prefill tokens/s for one 512-token prompt and decode tokens/s at 1, 8
 and 32 sequences with 256 tokens of context each, through the same paged
-forward the server uses. Optionally runs each dtype given, so the choice of
-serving dtype is a measurement, not a guess. Prints a table, then as its last
+forward the server uses. Runs each variant given in one process, so the choice of
+serving dtype and of 4-bit weights is a measurement, not a guess. Prints a table, then as its last
 line one JSON object for the first dtype:
 {"prefill_tokens_per_s": x, "decode_tokens_per_s": {"1": a, "8": b, "32": c}}
 
-    .venv/bin/python bench/forward.py [--dtype bfloat16 --dtype float32] [--threads N]
+    .venv/bin/python bench/forward.py [--variant bfloat16+int4 --variant bfloat16 --variant float32] [--threads N]
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ BLOCK = 16
 PROMPT = 512
 CONTEXT = 256
 BATCHES = (1, 8, 32)
+# bfloat16+int4: what the server runs (4-bit Q4 weights for small batches).
+VARIANTS = ("bfloat16+int4", "bfloat16", "float32")
 
 
 def measure(model: LlamaModel, *, decode_steps: int, repeats: int) -> dict:
@@ -71,22 +73,28 @@ def measure(model: LlamaModel, *, decode_steps: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", action="append", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument(
+        "--variant",
+        action="append",
+        choices=VARIANTS,
+        help="what to run (repeatable; the first one's figures are the JSON line). Default: bfloat16+int4",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = args.dtype or ["bfloat16"]
+    dtypes = args.variant or ["bfloat16+int4"]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
     results = {}
     for name in dtypes:
-        checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(name))
-        model = LlamaModel.from_checkpoint(checkpoint)
+        dtype, _, int4 = name.partition("+")
+        checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(dtype))
+        model = LlamaModel.from_checkpoint(checkpoint, use_int4=bool(int4))
         results[name] = measure(model, decode_steps=args.decode_steps, repeats=args.repeats)
         del model, checkpoint
-    print(f"| dtype | prefill {PROMPT} tok/s | " + " | ".join(f"decode x{b} tok/s" for b in BATCHES) + " |")
+    print(f"| variant | prefill {PROMPT} tok/s | " + " | ".join(f"decode x{b} tok/s" for b in BATCHES) + " |")
     print("|---|---|" + "---|" * len(BATCHES))
     for name, r in results.items():
         cells = " | ".join(f"{r['decode_tokens_per_s'][str(b)]:.1f}" for b in BATCHES)
