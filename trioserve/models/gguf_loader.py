@@ -104,8 +104,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     weights: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Parts] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+        array = tensor_array(t)
         heads = _permuted_heads(config, name)
         if heads:
             array = unpermute_rows(array, heads)
@@ -120,6 +119,12 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         if progress is not None:
             progress(done, len(tensors))
     return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=int4)
+
+
+def tensor_array(t: gguf.ReaderTensor) -> np.ndarray:
+    """A GGUF tensor dequantized to float32, in numpy/torch axis order."""
+    array = gguf.quants.dequantize(t.data, t.tensor_type)
+    return array.reshape(tuple(int(d) for d in reversed(t.shape)))
 
 
 def _permuted_heads(config: ModelConfig, name: str) -> int:
