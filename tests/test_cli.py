@@ -8,15 +8,14 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 
+from tests.tiny_model import set_gguf_u32
 from trioserve import cli
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.generate import generate
@@ -85,21 +84,11 @@ def test_bad_checkpoint_is_one_line_and_exit_2(build, tmp_path, tiny_checkpoints
     assert proc.stdout == ""
 
 
-def _patched_gguf(src: Path, dst: Path, key: str, value: int) -> Path:
-    """A copy of ``src`` with the uint32 metadata ``key`` set to ``value``."""
-    data = bytearray(src.read_bytes())
-    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
-    assert struct.unpack_from("<I", data, at)[0] == gguf.GGUFValueType.UINT32
-    struct.pack_into("<I", data, at + 4, value)
-    dst.write_bytes(data)
-    return dst
-
-
 @pytest.mark.parametrize(("key", "value"), [("llama.attention.head_count_kv", 3), ("llama.attention.head_count", 8)])
 def test_inconsistent_gguf_metadata_is_one_line_naming_the_file(key, value, tmp_path, tiny_checkpoints, capsys):
     # Inconsistent head counts: head_count_kv=3 (with 4 heads) does not divide;
     # head_count=8 contradicts attn_q's rows. Both are one error line naming the file.
-    path = _patched_gguf(tiny_checkpoints["gguf_f32"], tmp_path / "inconsistent.gguf", key, value)
+    path = set_gguf_u32(shutil.copy(tiny_checkpoints["gguf_f32"], tmp_path / "inconsistent.gguf"), key, value)
     status = cli.main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2", "--dtype", "float32"])
     err = capsys.readouterr().err
     assert status == 2

@@ -6,6 +6,7 @@ real converter writes it, and the loaders must undo it."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import gguf
@@ -175,3 +176,14 @@ def build_tiny_checkpoints(root: Path, *, tie: bool = False, seed: int = 0) -> d
         "gguf_q8_0": write_gguf(root / "tiny-q8_0.gguf", weights, tokenizer, qtype=Q.Q8_0),
         "gguf_q4_1": write_gguf(root / "tiny-q4_1.gguf", weights, tokenizer, qtype=Q.Q4_1),
     }
+
+
+def set_gguf_u32(path: Path, key: str, value: int) -> Path:
+    """Overwrite, in place, the uint32 value of GGUF metadata ``key``: a way
+    to make a file whose metadata contradicts its tensors."""
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == gguf.GGUFValueType.UINT32
+    struct.pack_into("<I", data, at + 4, value)
+    path.write_bytes(data)
+    return path

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import attrs
@@ -21,7 +20,7 @@ import tokenizers
 import torch
 
 from tests import tiny_model
-from tests.tiny_model import permute_rows, tiny_weights, write_gguf, write_hf_dir
+from tests.tiny_model import permute_rows, set_gguf_u32, tiny_weights, write_gguf, write_hf_dir
 from tests.tiny_tokenizer import BOS_ID, EOS_ID, train_tiny_tokenizer
 from trioserve.errors import CheckpointError
 from trioserve.models.checkpoint import Checkpoint, load_checkpoint
@@ -255,16 +254,6 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _patch_gguf_u32(path: Path, key: str, value: int) -> Path:
-    """Overwrite the uint32 value of metadata ``key`` in place."""
-    data = bytearray(path.read_bytes())
-    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
-    assert struct.unpack_from("<I", data, at)[0] == gguf.GGUFValueType.UINT32
-    struct.pack_into("<I", data, at + 4, value)
-    path.write_bytes(data)
-    return path
-
-
 def _tokenizer_meta(mp: pytest.MonkeyPatch, **changes) -> None:
     """Make write_gguf write tokenizer metadata with ``changes`` applied."""
     real = tiny_model.gguf_tokenizer_metadata
@@ -424,7 +413,7 @@ def test_head_counts_that_do_not_divide_are_a_checkpoint_error(tmp_path, tiny_ch
     # ModelConfig refuses head counts that do not divide; from GGUF as from
     # config.json that must be a CheckpointError naming the file.
     path = _copy(tiny_checkpoints["gguf_f32"], tmp_path / "kv3.gguf")
-    _patch_gguf_u32(path, "llama.attention.head_count_kv", 3)
+    set_gguf_u32(path, "llama.attention.head_count_kv", 3)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     assert info.value.path == str(path)
@@ -435,7 +424,7 @@ def test_tensor_shapes_that_contradict_the_metadata_are_a_checkpoint_error(tmp_p
     # With llama.attention.head_count = 8 but attn_q of 64 rows (4 heads x 16),
     # the load must fail on the shape, not later inside the forward pass.
     path = _copy(tiny_checkpoints["gguf_f32"], tmp_path / "h8.gguf")
-    _patch_gguf_u32(path, "llama.attention.head_count", 8)
+    set_gguf_u32(path, "llama.attention.head_count", 8)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     assert info.value.path == str(path)
