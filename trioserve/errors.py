@@ -30,3 +30,38 @@ class TokenizerError(TrioserveError):
 class ChatTemplateError(TrioserveError):
     """A chat template that does not compile or fails while rendering
     (including a template's own ``raise_exception``)."""
+
+
+class RequestError(TrioserveError):
+    """A request the engine refuses because of what it asks for (HTTP 400).
+    ``field`` names the offending input when there is one."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class RequestTooLarge(RequestError):
+    """Prompt + max_tokens can never fit the model's context or the KV pool."""
+
+
+class QueueFull(TrioserveError):
+    """The waiting queue is at its limit (HTTP 429); try again after ``retry_after`` seconds."""
+
+    def __init__(self, waiting: int, retry_after: float) -> None:
+        self.waiting = waiting
+        self.retry_after = retry_after
+        super().__init__(f"the server is at capacity ({waiting} requests waiting); retry after {retry_after:g} s")
+
+
+class EngineDead(TrioserveError):
+    """The engine stopped after a fault that may have left the device state
+    half-updated (HTTP 503). ``cause`` says what happened."""
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+        super().__init__(f"the engine is dead: {cause}")
+
+
+class EngineClosed(TrioserveError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""

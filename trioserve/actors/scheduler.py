@@ -1,0 +1,260 @@
+"""The scheduler actor: the one loop that decides.
+
+It runs two tasks over one state. `intake` answers the inbox at once
+(accepting or refusing submissions, marking cancellations) even while a step
+is running. `steps` loops: drop cancelled requests and free their blocks;
+admit; plan a step; have the worker run it and the sampler pick tokens;
+commit tokens and publish events. Publishing never blocks: each request's
+event channel holds max_tokens + 2 events.
+
+A request whose consumer closed its event channel counts as cancelled, so a
+cancellation cannot be lost even when the inbox is full."""
+
+from __future__ import annotations
+
+import trio
+
+from trioserve.actors.messages import (
+    Cancel,
+    FinalEvent,
+    SampleReply,
+    SampleRequest,
+    StepReply,
+    StepRequest,
+    Submit,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from trioserve.errors import EngineDead, RequestError, TrioserveError
+from trioserve.models.detokenizer import IncrementalDetokenizer
+from trioserve.models.sampling import Row, SamplingError, new_seed
+from trioserve.models.step import SeqChunk
+from trioserve.models.tokenizer import Tokenizer
+from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
+from trioserve.state.sequence import Sequence
+from trioserve.state.stats import EngineStats, StatsRecorder
+from trioserve.state.stops import StopMatcher
+
+
+class Scheduler:
+    """State of the scheduler actor. Only its own two tasks touch it; others
+    read `snapshot`, a frozen record replaced after every change."""
+
+    def __init__(self, policy: SchedulingPolicy, tokenizer: Tokenizer, worker: trio.MemorySendChannel, sampler: trio.MemorySendChannel):
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.worker = worker
+        self.sampler = sampler
+        self.seqs: dict[str, Sequence] = {}
+        self.channels: dict[str, trio.MemorySendChannel] = {}
+        self.wake = trio.Event()
+        self.recorder = StatsRecorder()
+        self.closing = False
+        self.snapshot = self._freeze()
+
+    # -- intake ------------------------------------------------------------
+    async def intake(self, inbox: trio.MemoryReceiveChannel) -> None:
+        async with inbox:
+            async for message in inbox:
+                if isinstance(message, Submit):
+                    self._submit(message)
+                elif isinstance(message, Cancel):
+                    seq = self.seqs.get(message.request_id)
+                    if seq is not None:
+                        seq.cancelled = True
+                self.wake.set()
+        self.closing = True
+        self.wake.set()
+
+    def _submit(self, message: Submit) -> None:
+        try:
+            seq = self._make_sequence(message)
+            self.policy.enqueue(seq)
+        except TrioserveError as exc:
+            self._reply(message, exc)
+            message.events.close()
+            return
+        self.seqs[seq.id] = seq
+        self.channels[seq.id] = message.events
+        if not self._reply(message, None):
+            seq.cancelled = True
+        self._refresh()
+
+    def _make_sequence(self, message: Submit) -> Sequence:
+        if self.recorder.dead is not None:
+            raise EngineDead(self.recorder.dead)
+        if self.closing:
+            raise EngineDead("the engine is shutting down")
+        request = message.request
+        if message.request_id in self.seqs:
+            raise RequestError(f"request id {message.request_id!r} is already in use", field="request_id")
+        if not request.prompt_ids:
+            raise RequestError("the prompt is empty", field="prompt")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", field="prompt")
+        params = request.params
+        try:
+            params.validate(vocab)
+        except SamplingError as exc:
+            raise RequestError(str(exc), field=exc.field) from exc
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.tokenizer.stop_ids)
+        return Sequence(
+            id=message.request_id,
+            prompt_ids=list(request.prompt_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else new_seed(),
+            stop_ids=frozenset(stop_ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stops=StopMatcher(params.stop),
+            arrival=trio.current_time(),
+        )
+
+    @staticmethod
+    def _reply(message: Submit, outcome: BaseException | None) -> bool:
+        try:
+            message.reply.send_nowait(outcome)
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            return False
+
+    # -- the loop ----------------------------------------------------------
+    async def steps(self) -> None:
+        while True:
+            self.wake = trio.Event()
+            self._drop_cancelled()
+            self.policy.admit(trio.current_time())
+            rows = self.policy.plan()
+            self._refresh()
+            if not rows:
+                if self.closing:
+                    return
+                await self.wake.wait()
+                continue
+            await self._step(rows)
+
+    def _drop_cancelled(self) -> None:
+        for rid, channel in self.channels.items():
+            if channel.statistics().open_receive_channels == 0:
+                self.seqs[rid].cancelled = True
+        for seq in self.policy.drop_cancelled():
+            self._final(seq, "cancelled")
+
+    async def _step(self, rows: list[PlannedRow]) -> None:
+        chunks = tuple(SeqChunk(r.tokens, r.start, self.policy.block_table(r.seq)) for r in rows)
+        sampling = [r for r in rows if r.samples]
+        index = tuple(i for i, r in enumerate(rows) if r.samples)
+        reply: StepReply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
+        if reply.fatal is not None:
+            self._die(f"a model step failed part-way: {reply.fatal}")
+            return
+        if reply.refused is not None:
+            for row in rows:
+                self._fail(row.seq, f"the step was refused: {reply.refused}")
+            return
+        self.policy.stepped(rows)
+        self.recorder.steps += 1
+        self.recorder.prompt_tokens += sum(max(0, min(len(r.seq.prompt_ids), r.start + len(r.tokens)) - r.start) for r in rows)
+        if not sampling:
+            return
+        sample_rows = [
+            Row(r.seq.params, r.seq.seed, r.seq.draw_index, r.seq.history() if r.seq.params.penalized else ())
+            for r in sampling
+        ]
+        logits = reply.logits
+        picked: SampleReply = await self._call(self.sampler, lambda ch: SampleRequest(logits, sample_rows, ch))
+        if picked.error is not None:
+            for row in sampling:
+                self._fail(row.seq, f"sampling failed: {picked.error}")
+            return
+        now = trio.current_time()
+        for row, sampled in zip(sampling, picked.sampled):
+            self._commit(row.seq, sampled, now)
+
+    def _commit(self, seq: Sequence, sampled, now: float) -> None:
+        if seq.last_token_at is None:
+            self.recorder.ttft.add(now - seq.arrival)
+        else:
+            self.recorder.inter_token.add(now - seq.last_token_at)
+        is_stop_id = sampled.token in seq.stop_ids
+        outcome = seq.commit(sampled.token, sampled.draws, now)
+        self.recorder.generated_tokens += 1
+        tail = ""
+        if is_stop_id:
+            tail = outcome.text
+        else:
+            self._publish(seq, TokenEvent(seq.id, sampled.token, outcome.text, sampled.logprob, sampled.top_logprobs))
+        if outcome.finish_reason is not None:
+            self.policy.finish(seq, outcome.finish_reason)
+            self._final(seq, outcome.finish_reason, text=tail)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        if seq in self.policy.running:
+            self.policy.finish(seq, "error")
+        self._final(seq, "error", error=error)
+
+    def _die(self, cause: str) -> None:
+        self.recorder.dead = cause
+        for seq in self.policy.fail_all():
+            self._final(seq, "error", error=f"the engine is dead: {cause}")
+
+    # -- publishing ----------------------------------------------------------
+    def _publish(self, seq: Sequence, event) -> None:
+        try:
+            self.channels[seq.id].send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            seq.cancelled = True
+
+    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None) -> None:
+        now = trio.current_time()
+        if seq.admitted_at is not None:
+            self.recorder.queue_wait.add(seq.admitted_at - seq.arrival)
+        self.recorder.end_to_end.add(now - seq.arrival)
+        self.recorder.finished[reason] += 1
+        timings = Timings(
+            queue_s=None if seq.admitted_at is None else seq.admitted_at - seq.arrival,
+            ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
+            total_s=now - seq.arrival,
+        )
+        usage = Usage(len(seq.prompt_ids), seq.generated)
+        self._publish(seq, FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings))
+        self.channels.pop(seq.id).close()
+        del self.seqs[seq.id]
+
+    async def _call(self, actor: trio.MemorySendChannel, make):
+        """Send ``make(reply_channel)`` to ``actor`` and wait for its reply."""
+        send, receive = trio.open_memory_channel(1)
+        async with receive:
+            await actor.send(make(send))
+            return await receive.receive()
+
+    def _freeze(self) -> EngineStats:
+        pool = self.policy.pool.stats()
+        return self.recorder.snapshot(
+            running=len(self.policy.running),
+            waiting=len(self.policy.waiting),
+            used=pool.used_blocks,
+            total=pool.total_blocks,
+            block_size=pool.block_size,
+        )
+
+    def _refresh(self) -> None:
+        self.snapshot = self._freeze()
+
+
+async def run_scheduler(scheduler: Scheduler, inbox: trio.MemoryReceiveChannel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run intake and the step loop until the inbox closes and the work in
+    flight is done. Cancelled (engine shutdown): stops at the next await;
+    consumers see their event channels close."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.intake, inbox)
+        task_status.started()
+        try:
+            await scheduler.steps()
+        finally:
+            for channel in scheduler.channels.values():
+                channel.close()

@@ -1,0 +1,45 @@
+"""Settings, as frozen attrs records. Validation happens here, once, so every
+later component can trust the numbers."""
+
+from __future__ import annotations
+
+import attrs
+
+MIB = 1 << 20
+
+
+def _positive(instance, attribute, value) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """What the engine serves and its limits.
+
+    max_num_seqs: sequences decoded together (rows of a step).
+    max_model_len: longest prompt + output; None = the model's context length.
+    kv_cache_bytes: memory for the KV block pool.
+    prefill_budget: tokens per step, decode rows and prefill chunks together.
+    max_queue: requests waiting for admission before new ones get QueueFull.
+    channel_size: bound of each actor's inbox."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    device: str = "cpu"
+    use_int4: bool = True
+    max_num_seqs: int = attrs.field(default=32, validator=_positive)
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    kv_cache_bytes: int = attrs.field(default=512 * MIB, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    prefill_budget: int = attrs.field(default=512, validator=_positive)
+    max_queue: int = attrs.field(default=256, validator=_positive)
+    channel_size: int = attrs.field(default=64, validator=_positive)
+    retry_after_s: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefill_budget <= self.max_num_seqs:
+            raise ValueError(
+                f"prefill_budget ({self.prefill_budget}) must exceed max_num_seqs ({self.max_num_seqs}) "
+                "so prefill can progress while every row decodes"
+            )

@@ -1,0 +1,146 @@
+"""The in-process engine API.
+
+    async with open_engine(config) as engine:
+        async for event in engine.generate(GenerateRequest(prompt_ids, params)):
+            ...
+
+`open_engine` loads the model (in a thread, with progress), sizes the KV pool
+from the byte budget, and starts the worker, sampler and scheduler actors in
+its own nursery. Leaving the block cancels them all."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+
+import torch
+import trio
+
+from trioserve.actors.messages import Cancel, Event, FinalEvent, GenerateRequest, Submit
+from trioserve.actors.sampler import run_sampler
+from trioserve.actors.scheduler import Scheduler, run_scheduler
+from trioserve.actors.worker import run_worker
+from trioserve.config import EngineConfig
+from trioserve.errors import EngineClosed, RequestError
+from trioserve.models.checkpoint import Checkpoint, Progress, load_checkpoint
+from trioserve.models.llama import LlamaModel
+from trioserve.models.tokenizer import Tokenizer
+from trioserve.state.kv_pool import BlockPool, blocks_for_budget
+from trioserve.state.scheduling import SchedulingPolicy
+from trioserve.state.stats import EngineStats
+
+DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class Engine:
+    """A handle on running actors: submit requests, read statistics."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, max_model_len: int, scheduler: Scheduler, inbox: trio.MemorySendChannel):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._scheduler = scheduler
+        self._inbox = inbox
+
+    def statistics(self) -> EngineStats:
+        """The latest frozen snapshot the scheduler published."""
+        return self._scheduler.snapshot
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Submit ``request`` and yield its events, ending with one FinalEvent.
+
+        Raises at submission: RequestError / RequestTooLarge (bad or
+        impossible request), QueueFull, EngineDead, EngineClosed. Leaving the
+        loop early, or being cancelled while waiting, cancels the request; the
+        scheduler frees its blocks within one step."""
+        request_id = request.request_id or f"req-{secrets.token_hex(8)}"
+        events_send, events = trio.open_memory_channel(request.params.max_tokens + 2)
+        reply_send, reply = trio.open_memory_channel(1)
+        finished = False
+        async with events, reply:
+            try:
+                await self._inbox.send(Submit(request_id, request, events_send, reply_send))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise EngineClosed("the engine is shut down") from None
+            outcome = await reply.receive()
+            if outcome is not None:
+                raise outcome
+            try:
+                async for event in events:
+                    if isinstance(event, FinalEvent):
+                        finished = True
+                    yield event
+                    if finished:
+                        return
+                raise EngineClosed("the engine shut down before the request finished")
+            finally:
+                if not finished:
+                    with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                        # Best effort, to wake the scheduler now; closing our
+                        # event channel (leaving this block) is what it relies on.
+                        self._inbox.send_nowait(Cancel(request_id))
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise RequestError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype") from None
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    config: EngineConfig,
+    *,
+    checkpoint: Checkpoint | None = None,
+    model: LlamaModel | None = None,
+    progress: Progress | None = None,
+) -> AsyncIterator[Engine]:
+    """Start an engine. ``checkpoint`` skips loading ``config.model``;
+    ``model`` (built from that checkpoint) skips building the model."""
+    if checkpoint is None:
+        checkpoint = await trio.to_thread.run_sync(
+            lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype), progress=progress)
+        )
+    if model is None:
+        model = await trio.to_thread.run_sync(
+            lambda: LlamaModel.from_checkpoint(checkpoint, use_int4=config.use_int4, device=config.device)
+        )
+    max_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
+    num_blocks = blocks_for_budget(config.kv_cache_bytes, model.kv_bytes_per_token(), config.block_size)
+    if num_blocks < 1:
+        raise RequestError(
+            f"kv_cache_bytes ({config.kv_cache_bytes}) is less than one block "
+            f"({model.kv_bytes_per_token() * config.block_size} bytes)",
+            field="kv_cache_bytes",
+        )
+    cache = await trio.to_thread.run_sync(model.new_kv_cache, num_blocks, config.block_size)
+    policy = SchedulingPolicy(
+        BlockPool(num_blocks, config.block_size),
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_len,
+        prefill_budget=config.prefill_budget,
+        max_queue=config.max_queue,
+        retry_after=config.retry_after_s,
+    )
+    worker_send, worker_recv = trio.open_memory_channel(1)
+    sampler_send, sampler_recv = trio.open_memory_channel(1)
+    inbox_send, inbox_recv = trio.open_memory_channel(config.channel_size)
+    scheduler = Scheduler(policy, checkpoint.tokenizer, worker_send, sampler_send)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_worker, model, cache, worker_recv)
+        await nursery.start(run_sampler, sampler_recv)
+        await nursery.start(run_scheduler, scheduler, inbox_recv)
+        try:
+            yield Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send)
+        finally:
+            inbox_send.close()
+            nursery.cancel_scope.cancel()
+
+
+def collect_text(events: list[Event]) -> str:
+    """The whole output text of a finished request's events."""
+    return "".join(e.text for e in events)
+
+

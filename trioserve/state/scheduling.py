@@ -1,0 +1,150 @@
+"""The scheduler's policy, with no trio and no torch: which sequences wait,
+which run, what the next step computes. The scheduler actor drives it.
+
+Rules:
+- Admission is oldest first, while a row and KV room remain. A sequence
+  reserves blocks for prompt + max_tokens when admitted, so nothing running
+  is ever starved of blocks or preempted. If the oldest waiting sequence does
+  not fit, younger ones wait behind it (no overtaking, no starvation).
+- A step takes every running sequence's decode token first, then prefill
+  chunks in admission order until the per-step token budget is spent, so a
+  long prompt delays decoding rows by at most one chunk per step."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from trioserve.errors import QueueFull, RequestTooLarge
+from trioserve.state.kv_pool import BlockPool, blocks_needed
+from trioserve.state.sequence import Sequence, Status
+
+
+@attrs.frozen
+class PlannedRow:
+    seq: Sequence
+    tokens: list[int]
+    start: int  # position of tokens[0]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this row's logits pick a token: its chunk reaches the end."""
+        return self.start + len(self.tokens) == self.seq.num_tokens
+
+
+class SchedulingPolicy:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        prefill_budget: int,
+        max_queue: int,
+        retry_after: float = 1.0,
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.prefill_budget = prefill_budget
+        self.max_queue = max_queue
+        self.retry_after = retry_after
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- intake ----------------------------------------------------------
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse at once a request that no amount of waiting would admit."""
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"exceeds the maximum model length of {self.max_model_len}",
+                field="max_tokens",
+            )
+        need = blocks_needed(total, self.pool.block_size)
+        if need > self.pool.num_blocks:
+            cap = self.pool.num_blocks * self.pool.block_size
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"needs {need} KV blocks but the pool has {self.pool.num_blocks} ({cap} tokens)",
+                field="max_tokens",
+            )
+
+    def enqueue(self, seq: Sequence) -> None:
+        self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(len(self.waiting), self.retry_after)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    # -- each iteration --------------------------------------------------
+    def drop_cancelled(self) -> list[Sequence]:
+        """Remove cancelled sequences, freeing their blocks."""
+        dropped = [s for s in self.waiting if s.cancelled] + [s for s in self.running if s.cancelled]
+        if dropped:
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+            for seq in [s for s in self.running if s.cancelled]:
+                self.finish(seq, "cancelled")
+            for seq in dropped:
+                seq.status = Status.FINISHED
+                seq.finish_reason = "cancelled"
+        return dropped
+
+    def admit(self, now: float) -> list[Sequence]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.pool.can_grow(seq.id, seq.max_total):
+                break
+            self.waiting.popleft()
+            self.pool.grow(seq.id, seq.max_total)
+            seq.status = Status.RUNNING
+            seq.admitted_at = now
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> list[PlannedRow]:
+        """The next step's rows: decode tokens, then prefill chunks."""
+        budget = self.prefill_budget
+        rows = []
+        decoding = [s for s in self.running if s.num_cached >= len(s.prompt_ids)]
+        prefilling = [s for s in self.running if s.num_cached < len(s.prompt_ids)]
+        for seq in decoding:
+            rows.append(PlannedRow(seq, seq.pending(1), seq.num_cached))
+            budget -= 1
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            tokens = seq.pending(budget)
+            rows.append(PlannedRow(seq, tokens, seq.num_cached))
+            budget -= len(tokens)
+        return rows
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.pool.table(seq.id)
+
+    def stepped(self, rows: list[PlannedRow]) -> None:
+        """The rows' tokens are now in the cache."""
+        for row in rows:
+            row.seq.num_cached = row.start + len(row.tokens)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a running sequence out and return its blocks."""
+        self.running.remove(seq)
+        self.pool.free_sequence(seq.id)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def fail_all(self) -> list[Sequence]:
+        """Every sequence, waiting or running, taken out (engine death)."""
+        everyone = list(self.waiting) + list(self.running)
+        for seq in list(self.running):
+            self.finish(seq, "error")
+        self.waiting.clear()
+        for seq in everyone:
+            seq.status = Status.FINISHED
+            seq.finish_reason = "error"
+        return everyone

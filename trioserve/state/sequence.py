@@ -1,0 +1,103 @@
+"""One request as the scheduler tracks it: its tokens, how many of them are in
+the KV cache, its random-draw position, and the text it has produced. Plain
+Python; owned by the scheduler alone."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+
+import attrs
+
+from trioserve.models.detokenizer import IncrementalDetokenizer
+from trioserve.models.sampling import SamplingParams
+from trioserve.state.stops import StopMatcher
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.frozen
+class Commit:
+    """What committing one sampled token produced: text safe to publish now,
+    and the finish reason when this token ended the output."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+@attrs.define(eq=False)
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: Collection[int]
+    detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
+    arrival: float
+    status: Status = Status.WAITING
+    output_ids: list[int] = attrs.field(factory=list)
+    generated: int = 0  # tokens sampled, the one that ended the output included
+    num_cached: int = 0  # tokens of prompt + output already in the KV cache
+    draw_index: int = 0
+    cancelled: bool = False
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total(self) -> int:
+        """Most tokens this sequence can ever hold: the KV room it reserves."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def pending(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that are not in the cache yet, in order."""
+        start = self.num_cached
+        prompt_len = len(self.prompt_ids)
+        if start < prompt_len:
+            return self.prompt_ids[start : start + limit]
+        return self.output_ids[start - prompt_len : start - prompt_len + limit]
+
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def commit(self, token: int, draws: int, now: float) -> Commit:
+        """Take one sampled token: advance the draw index, decide whether the
+        output ends here (stop id, stop string, max_tokens) and return the
+        text that became safe to publish."""
+        self.draw_index += draws
+        self.generated += 1
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        if token in self.stop_ids:
+            text, _ = self._drain()
+            return Commit(text, "stop")
+        self.output_ids.append(token)
+        text, stopped = self.stops.push(self.detokenizer.push(token))
+        if stopped:
+            return Commit(text, "stop")
+        if self.generated >= self.params.max_tokens:
+            tail, stopped = self._drain()
+            return Commit(text + tail, "stop" if stopped else "length")
+        return Commit(text)
+
+    def _drain(self) -> tuple[str, bool]:
+        """End of output: release bytes the detokenizer holds and text the
+        stop matcher holds back. True when that completes a stop string."""
+        text, stopped = self.stops.push(self.detokenizer.flush())
+        if stopped:
+            return text, True
+        # flush() can still settle a short stop nested in a longer one that
+        # could have completed (stops "abcd" and "bc", output ending "abc").
+        text += self.stops.flush()
+        return text, self.stops.matched is not None

@@ -1,0 +1,89 @@
+"""Engine statistics: a recorder the scheduler alone writes, and frozen
+snapshots anyone may read. Latencies keep a bounded window of recent
+observations plus an all-time count and sum."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import attrs
+
+WINDOW = 2048
+
+
+@attrs.frozen
+class Latency:
+    count: int
+    total_s: float
+    recent: tuple[float, ...]
+
+    @property
+    def mean_s(self) -> float | None:
+        return self.total_s / self.count if self.count else None
+
+
+@attrs.frozen
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    steps: int
+    prompt_tokens: int  # prompt tokens computed (prefilled)
+    generated_tokens: int
+    finished: tuple[tuple[str, int], ...]  # (finish_reason, count)
+    queue_wait: Latency
+    ttft: Latency
+    inter_token: Latency
+    end_to_end: Latency
+    dead: str | None = None
+
+    def finished_count(self, reason: str) -> int:
+        return dict(self.finished).get(reason, 0)
+
+
+class _Series:
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.recent: deque[float] = deque(maxlen=WINDOW)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.recent.append(value)
+
+    def freeze(self) -> Latency:
+        return Latency(self.count, self.total, tuple(self.recent))
+
+
+class StatsRecorder:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished: Counter[str] = Counter()
+        self.queue_wait = _Series()
+        self.ttft = _Series()
+        self.inter_token = _Series()
+        self.end_to_end = _Series()
+        self.dead: str | None = None
+
+    def snapshot(self, *, running: int, waiting: int, used: int, total: int, block_size: int) -> EngineStats:
+        return EngineStats(
+            running=running,
+            waiting=waiting,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            block_size=block_size,
+            steps=self.steps,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            finished=tuple(sorted(self.finished.items())),
+            queue_wait=self.queue_wait.freeze(),
+            ttft=self.ttft.freeze(),
+            inter_token=self.inter_token.freeze(),
+            end_to_end=self.end_to_end.freeze(),
+            dead=self.dead,
+        )
