@@ -39,6 +39,7 @@ import secrets
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from trioserve.errors import TrioserveError
@@ -243,25 +244,25 @@ def _processed(raw: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     x = raw.clone()
     vocab = x.shape[1]
     if biased:
-        where = [(i, token, bias) for i in biased for token, bias in rows[i].params.logit_bias]
-        r, t, b = zip(*where, strict=True)
+        bias_at = [(i, token, bias) for i in biased for token, bias in rows[i].params.logit_bias]
+        r, t, b = zip(*bias_at, strict=True)
         x.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=torch.float32), accumulate=True)
     if penalized:
-        # One bincount for all penalized rows: row j's ids are offset by j * V.
-        flat = []
-        for j, i in enumerate(penalized):
-            ids = torch.as_tensor(rows[i].history, dtype=torch.long).flatten()
-            flat.append(ids[(ids >= 0) & (ids < vocab)] + j * vocab)
-        counts = torch.bincount(torch.cat(flat), minlength=len(penalized) * vocab).view(len(penalized), vocab)
-        params = [rows[i].params for i in penalized]
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[:, None]
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[:, None]
-        seen = counts > 0
-        sub = x[penalized]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - presence * seen - frequency * counts
-        x[penalized] = sub
+        # Only the tokens a history holds change, so work on those alone: the
+        # distinct (row * V + id) of every penalized row, with their counts.
+        parts = []
+        for i in penalized:
+            ids = np.asarray(rows[i].history, dtype=np.int64).ravel()
+            parts.append(ids[(ids >= 0) & (ids < vocab)] + i * vocab)
+        where, counts = torch.unique(torch.from_numpy(np.concatenate(parts)), return_counts=True)
+        row_of = where // vocab
+        rep = torch.tensor([row.params.repetition_penalty for row in rows], dtype=torch.float32)[row_of]
+        presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=torch.float32)[row_of]
+        frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=torch.float32)[row_of]
+        flat = x.view(-1)
+        seen = flat[where]
+        seen = torch.where(seen > 0, seen / rep, seen * rep) - presence - frequency * counts
+        flat[where] = seen
     return x
 
 
