@@ -25,6 +25,7 @@ from trioserve.config import EngineConfig
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.models.checkpoint import Checkpoint, Progress, load_checkpoint
 from trioserve.models.llama import LlamaModel
+from trioserve.models.sampling import SamplingError
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool, blocks_for_budget
 from trioserve.state.scheduling import SchedulingPolicy
@@ -54,6 +55,7 @@ class Engine:
         impossible request), QueueFull, EngineDead, EngineClosed. Leaving the
         loop early, or being cancelled while waiting, cancels the request; the
         scheduler frees its blocks within one step."""
+        check_request(request, self.tokenizer.vocab_size)
         request_id = request.request_id or f"req-{secrets.token_hex(8)}"
         events_send, events = trio.open_memory_channel(request.params.max_tokens + 2)
         reply_send, reply = trio.open_memory_channel(1)
@@ -80,6 +82,20 @@ class Engine:
                         # Best effort, to wake the scheduler now; closing our
                         # event channel (leaving this block) is what it relies on.
                         self._inbox.send_nowait(Cancel(request_id))
+
+
+def check_request(request: GenerateRequest, vocab_size: int) -> None:
+    """Validate what needs no engine state, at the edge: the prompt ids and
+    the sampling parameters. Raises RequestError naming the field."""
+    if not request.prompt_ids:
+        raise RequestError("the prompt is empty", field="prompt")
+    bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", field="prompt")
+    try:
+        request.params.validate(vocab_size)
+    except SamplingError as exc:
+        raise RequestError(str(exc), field=exc.field) from exc
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -28,7 +28,7 @@ from trioserve.actors.messages import (
 )
 from trioserve.errors import EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.sampling import Row, SamplingError, new_seed
+from trioserve.models.sampling import Row, new_seed
 from trioserve.models.step import SeqChunk
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
@@ -89,17 +89,7 @@ class Scheduler:
         request = message.request
         if message.request_id in self.seqs:
             raise RequestError(f"request id {message.request_id!r} is already in use", field="request_id")
-        if not request.prompt_ids:
-            raise RequestError("the prompt is empty", field="prompt")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", field="prompt")
         params = request.params
-        try:
-            params.validate(vocab)
-        except SamplingError as exc:
-            raise RequestError(str(exc), field=exc.field) from exc
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.stop_ids)

@@ -15,7 +15,7 @@ Each row is processed in this order:
 4. greedy rows (temperature 0) take the argmax here (ties: lowest id) and
    consume no draw. Other rows go on:
 5. temperature: logits / temperature, then softmax;
-6. top-k: keep the k most probable tokens;
+6. top-k: keep the k most probable tokens (0, or k of at least V, keeps all);
 7. top-p: keep the smallest set of most probable tokens whose mass (renormalized
    over what top-k kept) reaches top_p; never fewer than one;
 8. min-p: drop tokens whose probability is below min_p times the largest;
@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from trioserve.errors import TrioserveError
 
@@ -63,21 +64,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _check_number(field: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    # Written as "not (in range)" so that NaN is refused too.
-    ok = _is_number(value) and (lo < value if lo_open else lo <= value) and value <= hi  # type: ignore[operator]
-    if not ok:
-        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise SamplingError(field, f"{field} must be {low} and at most {hi:g}, got {value!r}")
+    # Only comparisons that hold let a value through, so NaN is refused too.
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if (value > lo if lo_open else value >= lo) and value <= hi:
+            return
+    if lo_open:
+        raise SamplingError(field, f"{field} must be greater than {lo:g} and at most {hi:g}, got {value!r}")
+    raise SamplingError(field, f"{field} must be between {lo:g} and {hi:g}, got {value!r}")
 
 
 def _check_token(field: str, token: object, vocab_size: int) -> None:
-    if not _is_int(token) or not 0 <= token < vocab_size:  # type: ignore[operator]
-        raise SamplingError(field, f"{field}: {token!r} is not a token id (the vocabulary has {vocab_size})")
+    if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size:
+        return
+    raise SamplingError(field, f"{field}: {token!r} is not a token id (the vocabulary has {vocab_size})")
 
 
 @attrs.frozen
@@ -143,7 +143,7 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise SamplingError("top_logprobs", "top_logprobs needs logprobs to be true")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise SamplingError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+            raise SamplingError("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise SamplingError("stop", f"stop strings must be non-empty strings, got {text!r}")
@@ -188,11 +188,13 @@ class Row:
     params: SamplingParams
     seed: int  # resolved: never None here
     draw_index: int  # the next unused draw of this request
-    history: Sequence[int]  # prompt ids + output ids so far
+    history: Sequence[int]  # prompt ids + output ids so far; ids outside the vocabulary are ignored
 
 
 @attrs.frozen
 class Sampled:
+    """What `sample_rows` chose for one row."""
+
     token: int
     draws: int  # draws consumed: 0 for greedy, 1 otherwise
     logprob: float | None  # of the chosen token, when params.logprobs
@@ -215,19 +217,29 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
         for i, token in zip(greedy, picked, strict=True):
             tokens[i] = token
     if drawn:
-        probs = _kept_probs(x if len(drawn) == len(rows) else x[drawn], [rows[i].params for i in drawn])
+        params = [rows[i].params for i in drawn]
+        if len(drawn) == len(rows):
+            weights = _weights(x, params, owned=x is not raw)
+        else:
+            weights = _weights(x[drawn], params, owned=True)
         us = [uniform(rows[i].seed, rows[i].draw_index) for i in drawn]
-        for i, token in zip(drawn, _choose_rows(probs, us), strict=True):
+        for i, token in zip(drawn, _choose_rows(weights, us), strict=True):
             tokens[i] = token
     logprobs: list[float | None] = [None] * len(rows)
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
     if wanted:
-        lp = torch.log_softmax(raw[wanted], dim=1)
+        lp = torch.log_softmax(raw if len(wanted) == len(rows) else raw[wanted], dim=1)
         chosen = lp[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
+        longest = max(rows[i].params.top_logprobs for i in wanted)
+        if longest:
+            # One past the longest list, to see a tie at its end.
+            values, ids = torch.topk(lp, min(longest + 1, lp.shape[1]), dim=1)
+            best_values, best_ids = values.tolist(), ids.tolist()
         for j, i in enumerate(wanted):
             logprobs[i] = chosen[j]
-            tops[i] = _best(lp[j], rows[i].params.top_logprobs)
+            if rows[i].params.top_logprobs:
+                tops[i] = _best(lp[j], rows[i].params.top_logprobs, best_values[j], best_ids[j])
     return [
         Sampled(token=tokens[i], draws=0 if row.params.greedy else 1, logprob=logprobs[i], top_logprobs=tops[i])
         for i, row in enumerate(rows)
@@ -243,10 +255,11 @@ def _processed(raw: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         return raw
     x = raw.clone()
     vocab = x.shape[1]
+    flat = x.view(-1)
     if biased:
-        bias_at = [(i, token, bias) for i in biased for token, bias in rows[i].params.logit_bias]
-        r, t, b = zip(*bias_at, strict=True)
-        x.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=torch.float32), accumulate=True)
+        where = [i * vocab + token for i in biased for token, _ in rows[i].params.logit_bias]
+        bias = [b for i in biased for _, b in rows[i].params.logit_bias]
+        flat.index_add_(0, torch.tensor(where), torch.tensor(bias, dtype=torch.float32))
     if penalized:
         # Only the tokens a history holds change, so work on those alone: the
         # distinct (row * V + id) of every penalized row, with their counts.
@@ -254,86 +267,142 @@ def _processed(raw: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         for i in penalized:
             ids = np.asarray(rows[i].history, dtype=np.int64).ravel()
             parts.append(ids[(ids >= 0) & (ids < vocab)] + i * vocab)
-        where, counts = torch.unique(torch.from_numpy(np.concatenate(parts)), return_counts=True)
-        row_of = where // vocab
+        where_t, counts = torch.unique(torch.from_numpy(np.concatenate(parts)), return_counts=True)
+        row_of = where_t // vocab
         rep = torch.tensor([row.params.repetition_penalty for row in rows], dtype=torch.float32)[row_of]
         presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=torch.float32)[row_of]
         frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=torch.float32)[row_of]
-        flat = x.view(-1)
-        seen = flat[where]
+        seen = flat[where_t]
         seen = torch.where(seen > 0, seen / rep, seen * rep) - presence - frequency * counts
-        flat[where] = seen
+        flat[where_t] = seen
     return x
 
 
-def _kept_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Steps 5-8 for non-greedy rows: [S, V] probabilities after temperature,
-    with the tokens top-k, top-p and min-p drop set to 0 (not renormalized)."""
+def _weights(x: torch.Tensor, params: Sequence[SamplingParams], *, owned: bool) -> torch.Tensor:
+    """Steps 5-8 for non-greedy rows: [S, V] unnormalized probabilities after
+    temperature (each row's largest is 1), with the tokens that top-k, top-p
+    and min-p drop set to 0. Works in ``x`` itself when ``owned``."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)[:, None]
-    probs = torch.softmax(x / temperature, dim=1)
-    vocab = probs.shape[1]
+    w = x.div_(temperature) if owned else x / temperature
+    w -= w.amax(dim=1, keepdim=True)
+    w.exp_()
     for j, p in enumerate(params):
-        row = probs[j]
-        top: torch.Tensor | None = None  # the kept probabilities, largest first
-        if 0 < p.top_k < vocab:
-            top = torch.topk(row, p.top_k).values
-            _keep_largest(row, p.top_k, top[-1])
-        if p.top_p < 1.0:
-            target = p.top_p * float(row.sum(dtype=torch.float64))
-            if top is None:
-                top = _largest_reaching(row, target)
-            cum = top.cumsum(0, dtype=torch.float64)
-            n = min(int(torch.searchsorted(cum, torch.tensor([target], dtype=torch.float64))) + 1, top.numel())
-            _keep_largest(row, n, top[n - 1])
+        if p.top_k or p.top_p < 1.0:
+            _top_k_top_p(w[j], p.top_k, p.top_p)
         if p.min_p > 0.0:
-            row.masked_fill_(row < p.min_p * row.max(), 0.0)
-    return probs
+            _drop_below(w[j], p.min_p * float(w[j].max()))
+    return w
 
 
-def _largest_reaching(row: torch.Tensor, target: float) -> torch.Tensor:
-    """The largest values of ``row``, sorted down, at least as many as it
-    takes for their sum to reach ``target`` (a full sort only when needed)."""
-    n = min(row.numel(), 1024)
+def _drop_below(row: torch.Tensor, limit: float) -> None:
+    """Zero the entries of ``row`` (float32) below ``limit``, in place."""
+    least = np.float32(limit)  # the smallest float32 at or above limit
+    if least < limit:
+        least = np.nextafter(least, np.float32(np.inf))
+    # threshold keeps what is strictly above its argument: the float32 just below `least`.
+    F.threshold_(row, float(np.nextafter(least, np.float32(-np.inf))), 0.0)
+
+
+def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> None:
+    """Steps 6 and 7 on one row of weights, in place."""
+    vocab = row.numel()
+    kept = vocab
+    values = ids = None  # the largest weights and their ids, largest first
+    if 0 < top_k < vocab:
+        values, ids = torch.topk(row, top_k + 1)  # one past the cut, to see a tie there
+        _keep_largest(row, top_k, values, ids)
+        kept = top_k
+        values, ids = values[:kept], ids[:kept]
+    if top_p < 1.0:
+        total = values.double().sum() if values is not None else row.sum()  # what top-k kept
+        target = top_p * float(total)
+        if values is None:
+            values, ids = _largest_reaching(row, target)
+        reached = torch.searchsorted(values.double().cumsum(0), torch.tensor([target], dtype=torch.float64))
+        n = int(reached) + 1  # the first n tokens reach the target
+        if n < kept:
+            _keep_largest(row, n, values, ids)
+
+
+def _largest_reaching(row: torch.Tensor, target: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest weights of ``row`` and their ids, largest first, at least
+    as many as it takes for their sum to reach ``target``. A language model's
+    mass sits in few tokens, so a full sort is rarely needed."""
+    n = min(row.numel(), 64)
     while True:
-        top = torch.topk(row, n).values
-        if n == row.numel() or float(top.sum(dtype=torch.float64)) >= target:
-            return top
+        values, ids = torch.topk(row, n)
+        if n == row.numel() or float(values.sum(dtype=torch.float64)) >= target:
+            return values, ids
         n = min(row.numel(), n * 8)
 
 
-def _keep_largest(row: torch.Tensor, n: int, nth: torch.Tensor) -> None:
+def _keep_largest(row: torch.Tensor, n: int, values: torch.Tensor, ids: torch.Tensor) -> None:
     """Zero all but the ``n`` largest entries of ``row`` in place, where
-    ``nth`` is the n-th largest value; among equals, lower ids stay."""
+    ``values`` and ``ids`` are its largest entries, largest first, at least n
+    of them; among equal values at the cut, the lowest ids stay."""
+    if n < values.numel() and values[n] < values[n - 1]:
+        row.zero_()  # no tie at the cut: the kept set is ids[:n], whatever topk's order among equals
+        row[ids[:n]] = values[:n]
+        return
+    nth = values[n - 1]
     keep = row > nth
-    tied = torch.nonzero(row == nth).flatten()[: n - int(keep.sum())]
+    tied = torch.nonzero(row == nth).flatten()[: n - int(keep.sum())]  # ascending ids
     keep[tied] = True
     row.masked_fill_(~keep, 0.0)
 
 
+_BLOCK = 256  # the draw finds its block of tokens first, then the token in it
+
+
 def choose(weights: torch.Tensor, u: float) -> int:
-    """Step 9 for one row: the token whose slice of the cumulative sum of
-    ``weights`` (non-negative, in id order, not necessarily summing to 1)
-    holds ``u`` times the total. Token t is chosen exactly for u in
-    [sum(w[:t]), sum(w[:t + 1])) / sum(w); zero-weight tokens never are."""
-    return _choose_rows(weights[None, :], [u])[0]
+    """Step 9 for one row: the token whose slice of the running sum of
+    ``weights`` (non-negative, in id order, a positive total) holds ``u``
+    times the total. Token t is chosen for u in [sum(w[:t]), sum(w[:t + 1]))
+    / sum(w), up to rounding (float32 sums of blocks of tokens, float64
+    running sums); a token of weight 0 is never chosen."""
+    return _choose_rows(weights[None, :].to(torch.float32), [u])[0]
 
 
 def _choose_rows(weights: torch.Tensor, us: Sequence[float]) -> list[int]:
-    cum = weights.cumsum(1, dtype=torch.float64)
-    target = torch.tensor(us, dtype=torch.float64)[:, None] * cum[:, -1:]
-    picked = torch.searchsorted(cum, target, right=True).flatten().tolist()
-    for j, token in enumerate(picked):
-        if token >= weights.shape[1]:  # u * total rounded up to the total
-            picked[j] = int(torch.nonzero(weights[j]).max())
+    """`choose` for each row of ``weights`` [S, V] with its own u: find the
+    block of _BLOCK tokens that holds the target, then the token within it."""
+    rows, vocab = weights.shape
+    blocks = -(-vocab // _BLOCK)
+    padded = blocks * _BLOCK
+    full = vocab // _BLOCK * _BLOCK
+    # Block sums in float32 (a float64 sum would copy the whole input first);
+    # the running sums over blocks and within the block are in float64.
+    sums = [weights[:, :full].unflatten(1, (-1, _BLOCK)).sum(2)]
+    if full < vocab:
+        sums.append(weights[:, full:].sum(1, keepdim=True))
+    block_cum = torch.cat(sums, dim=1).double().cumsum(1)
+    target = torch.tensor(us, dtype=torch.float64)[:, None] * block_cum[:, -1:]
+    block = torch.searchsorted(block_cum, target, right=True).clamp_(max=blocks - 1)
+    base = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), 0.0)
+    where = block * _BLOCK + torch.arange(_BLOCK)
+    local = weights.gather(1, where.clamp(max=vocab - 1)).double()
+    if padded > vocab:
+        local.masked_fill_(where >= vocab, 0.0)
+    local = local.cumsum(1) + base
+    offset = torch.searchsorted(local, target, right=True).flatten().tolist()
+    picked = (block.flatten() * _BLOCK).tolist()
+    for j in range(rows):
+        if offset[j] < _BLOCK:
+            picked[j] += offset[j]
+        else:  # u * total rounded onto the end of the block (or of the row)
+            picked[j] = int(torch.nonzero(weights[j, : picked[j] + _BLOCK]).max())
     return picked
 
 
-def _best(lp: torch.Tensor, n: int) -> tuple[tuple[int, float], ...]:
-    """The ``n`` best (id, logprob) of one row, best first, ties by id."""
+def _best(lp: torch.Tensor, n: int, values: list[float], ids: list[int]) -> tuple[tuple[int, float], ...]:
+    """The ``n`` best (id, logprob) of one row ``lp``, best first, ties by id;
+    ``values`` and ``ids`` are its largest entries, largest first, more than n
+    of them unless the row is shorter."""
     n = min(n, lp.numel())
-    if n == 0:
-        return ()
-    nth = torch.topk(lp, n).values[-1]
-    ids = torch.nonzero(lp >= nth).flatten()  # ascending ids
-    order = torch.sort(lp[ids], descending=True, stable=True).indices[:n]
-    return tuple(zip(ids[order].tolist(), lp[ids[order]].tolist(), strict=True))
+    if n < len(values) and values[n] < values[n - 1]:
+        pairs = list(zip(ids[:n], values[:n], strict=True))
+    else:  # equal logprobs at the cut: take the lowest ids among them
+        ids_t = torch.nonzero(lp >= values[n - 1]).flatten()
+        pairs = list(zip(ids_t.tolist(), lp[ids_t].tolist(), strict=True))
+    pairs.sort(key=lambda pair: (-pair[1], pair[0]))
+    return tuple(pairs[:n])
