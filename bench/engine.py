@@ -2,7 +2,7 @@
 first token with 1, 8 and 32 concurrent requests (128-token prompts, 128
 output tokens, EOS ignored) on the default model, through the real actors.
 
-    .venv/bin/python bench/engine.py [--concurrency 1 --concurrency 8 ...] [--threads N]
+    .venv/bin/python bench/engine.py [--concurrency 1 --concurrency 8 ...] [--threads N] [--no-int4]
 
 Prints a table, then as its last line one JSON object:
 {"tokens_per_s": {"1": a, "8": b, "32": c}, "ttft_ms": {"1": ..., "8": ..., "32": ...}}
@@ -52,7 +52,12 @@ async def one_round(engine, concurrency: int, seed: int) -> tuple[float, float]:
 
 
 async def main_async(args) -> dict:
-    config = EngineConfig(model=args.model, max_num_seqs=max(args.concurrency), prefill_budget=max(512, max(args.concurrency) + 1))
+    config = EngineConfig(
+        model=args.model,
+        use_int4=not args.no_int4,
+        max_num_seqs=max(args.concurrency),
+        prefill_budget=max(512, max(args.concurrency) + 1),
+    )
     results = {"tokens_per_s": {}, "ttft_ms": {}}
     async with open_engine(config) as engine:
         await one_round(engine, 1, 0)  # warm-up
@@ -68,6 +73,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--concurrency", type=int, action="append")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-int4", action="store_true", help="bf16 matmuls at every batch size")
     args = parser.parse_args()
     args.concurrency = args.concurrency or [1, 8, 32]
     if args.threads:
