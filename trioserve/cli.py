@@ -45,7 +45,51 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     gen.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype; auto = bfloat16")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    srv.add_argument("--model", default="smollm2", help="'smollm2' (built in), a .gguf file, or a Hugging Face directory")
+    srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value)")
+    srv.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype; auto = bfloat16")
+    srv.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
+    srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
+    srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB)")
+    srv.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 429 (default 256)")
+    srv.add_argument("--prefill-budget", type=_positive_int, default=512, help="tokens per engine step (default 512)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
+    srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+def _byte_size(text: str) -> int:
+    """'512MiB', '2GiB', '1000000' -> bytes."""
+    number = text.rstrip("BbKkMmGgIi")
+    unit = text[len(number) :].lower()
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"must be a size like 512MiB or 2GiB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except (CheckpointError, ChatTemplateError, ValueError) as exc:
         print(f"trioserve: error: {exc}", file=sys.stderr)
         return 2
@@ -98,6 +144,37 @@ def _generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from trioserve.config import EngineConfig, ServerSettings
+    from trioserve.http.serve import run_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_queue=args.max_queue,
+        prefill_budget=args.prefill_budget,
+    )
+    settings = ServerSettings(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+    )
+    return run_server(settings)
 
 
 def resolve_dtype(name: str):

@@ -43,3 +43,22 @@ class EngineConfig:
                 f"prefill_budget ({self.prefill_budget}) must exceed max_num_seqs ({self.max_num_seqs}) "
                 "so prefill can progress while every row decodes"
             )
+
+
+@attrs.frozen
+class ServerSettings:
+    """The HTTP server around an engine.
+
+    served_model_name: the model id clients send and see (default: the
+    checkpoint's name). api_key: when set, every /v1 route needs
+    `Authorization: Bearer <key>`. max_body_bytes: larger bodies get 413.
+    drain_timeout_s: on SIGINT/SIGTERM, how long in-flight requests may run."""
+
+    engine: EngineConfig = EngineConfig()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"

@@ -1,0 +1,41 @@
+"""The one place where errors become HTTP responses, in OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import math
+
+from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
+
+
+class HTTPError(TrioserveError):
+    """An error with its status decided where it is raised (401, 404, 413...)."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.code = code
+        super().__init__(message)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
+    """(status, JSON body, extra headers) for any error a request can meet."""
+    if isinstance(exc, HTTPError):
+        return exc.status, error_body(str(exc), exc.kind, exc.param, exc.code), {}
+    if isinstance(exc, RequestTooLarge):
+        return 400, error_body(str(exc), "invalid_request_error", exc.field, "context_length_exceeded"), {}
+    if isinstance(exc, RequestError):
+        return 400, error_body(str(exc), "invalid_request_error", exc.field), {}
+    if isinstance(exc, QueueFull):
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        return 429, error_body(str(exc), "rate_limit_error", None, "queue_full"), {"Retry-After": retry}
+    if isinstance(exc, EngineDead):
+        return 503, error_body(str(exc), "server_error", None, "engine_dead"), {}
+    if isinstance(exc, EngineClosed):
+        return 503, error_body(str(exc), "server_error", None, "shutting_down"), {}
+    return 500, error_body(f"internal error: {type(exc).__name__}", "server_error"), {}

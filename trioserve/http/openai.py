@@ -1,0 +1,133 @@
+"""OpenAI response shapes: whole bodies, stream chunks and logprobs, built
+from the engine's events. Pure functions of their inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from trioserve import __version__
+from trioserve.actors.messages import FinalEvent, TokenEvent
+from trioserve.models.tokenizer import Tokenizer
+
+FINGERPRINT = f"trioserve-{__version__}"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def _finite(x: float) -> float:
+    # JSON has no -Infinity; a token the model rules out gets the most negative float.
+    return x if math.isfinite(x) else -3.4e38
+
+
+@attrs.define
+class Choice:
+    """One choice's output, accumulated from its events."""
+
+    index: int
+    text: list[str] = attrs.field(factory=list)
+    tokens: list[TokenEvent] = attrs.field(factory=list)
+    final: FinalEvent | None = None
+
+    def add(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.append(event)
+            self.text.append(event.text)
+        else:
+            self.final = event
+            self.text.append(event.text)
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprob_entries(tokenizer: Tokenizer, events: Sequence[TokenEvent]) -> list[dict]:
+    """OpenAI chat logprobs: one entry per token, with its alternatives."""
+    out = []
+    for e in events:
+        text, raw = token_text(tokenizer, e.token_id)
+        alternatives = []
+        for tid, lp in e.top_logprobs:
+            alt_text, alt_raw = token_text(tokenizer, tid)
+            alternatives.append({"token": alt_text, "logprob": _finite(lp), "bytes": alt_raw})
+        out.append({"token": text, "logprob": _finite(e.logprob), "bytes": raw, "top_logprobs": alternatives})
+    return out
+
+
+def completion_logprobs(tokenizer: Tokenizer, events: Sequence[TokenEvent], offset: int) -> dict:
+    """The legacy completions logprobs object."""
+    tokens, lps, tops, offsets = [], [], [], []
+    at = offset
+    for e in events:
+        text, _ = token_text(tokenizer, e.token_id)
+        tokens.append(text)
+        lps.append(_finite(e.logprob))
+        tops.append({token_text(tokenizer, t)[0]: _finite(lp) for t, lp in e.top_logprobs})
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, response_id: str, created: int, model: str) -> dict:
+    return {"id": response_id, "object": kind, "created": created, "model": model, "system_fingerprint": FINGERPRINT}
+
+
+def chat_body(response_id: str, created: int, model: str, choices: Sequence[Choice], prompt_tokens: int, tokenizer: Tokenizer, logprobs: bool) -> dict:
+    body = envelope("chat.completion", response_id, created, model)
+    body["choices"] = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.content},
+            "logprobs": {"content": chat_logprob_entries(tokenizer, c.tokens)} if logprobs else None,
+            "finish_reason": c.final.finish_reason,
+        }
+        for c in choices
+    ]
+    body["usage"] = usage_body(prompt_tokens, sum(c.final.usage.completion_tokens for c in choices))
+    return body
+
+
+def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+    body = envelope("chat.completion.chunk", response_id, created, model)
+    choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish_reason}
+    body["choices"] = [choice]
+    return body
+
+
+def completion_chunk(response_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    body = envelope("text_completion", response_id, created, model)
+    body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+    return body
+
+
+def usage_chunk(kind: str, response_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    body = envelope(kind, response_id, created, model)
+    body["choices"] = []
+    body["usage"] = usage_body(prompt_tokens, completion_tokens)
+    return body

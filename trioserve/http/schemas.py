@@ -1,0 +1,566 @@
+"""Request bodies of `POST /v1/chat/completions` and `POST /v1/completions`:
+frozen attrs records, structured from the parsed JSON by one cattrs converter
+that `make_converter` builds.
+
+Structuring is strict: a boolean field takes only true or false, an integer
+field refuses 2.5 and booleans, a float field takes any number, a string field
+takes only strings. Unknown keys are ignored. Every failure becomes one
+`RequestError` whose ``field`` is the JSON path of the first problem (fields in
+the order the record declares them; list items in order) and whose message
+starts with that path: ``messages[1].content: expected a string or a list of
+content parts, got 5``.
+
+A feature the server does not offer is refused by name rather than ignored:
+tools, tool_choice other than "none", functions, function_call other than
+"none", response_format other than {"type": "text"}, suffix, best_of other
+than 1 or n, completion logprobs above 5, stream_options without stream.
+
+`sampling_params` maps a request onto the engine's `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal, NoReturn, get_args, get_origin
+
+import attrs
+import cattrs
+from cattrs.errors import AttributeValidationNote, BaseValidationError, IterableValidationNote
+from cattrs.gen import make_dict_structure_fn, override
+
+from trioserve.errors import RequestError
+from trioserve.models.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
+
+MAX_N = 16
+MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 100.0
+
+# --- the errors that structuring raises inside, and the walk that reads them
+
+
+class _Invalid(ValueError):
+    """One problem with one value. ``at`` is a path below the value the hook
+    was given ("" for the value itself, "[2]" for its third item)."""
+
+    def __init__(self, message: str, at: str = "") -> None:
+        self.message = message
+        self.at = at
+        super().__init__(message)
+
+
+class _Nested(ValueError):
+    """``cause`` happened at ``at`` below the value a hook was given."""
+
+    def __init__(self, at: str, cause: BaseException) -> None:
+        self.at = at
+        self.cause = cause
+        super().__init__(f"{at}: {cause}")
+
+
+def _join(path: str, step: str) -> str:
+    if not step or not path or step.startswith("["):
+        return path + step
+    return f"{path}.{step}"
+
+
+def _first_problem(exc: BaseException) -> tuple[str, str]:
+    """(JSON path, message) of the first leaf under a structuring failure."""
+    path = ""
+    while True:
+        if isinstance(exc, _Nested):
+            path, exc = _join(path, exc.at), exc.cause
+        elif isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+            for note in getattr(exc, "__notes__", ()):
+                if isinstance(note, AttributeValidationNote):
+                    path = _join(path, note.name)
+                elif isinstance(note, IterableValidationNote):
+                    path = _join(path, f"[{note.index}]")
+        elif isinstance(exc, _Invalid):
+            return _join(path, exc.at), exc.message
+        elif isinstance(exc, KeyError):  # cattrs reading a required key that is absent
+            return path, "this field is required"
+        else:
+            return path, "invalid value"
+
+
+def _raise_request_error(exc: BaseException) -> None:
+    path, message = _first_problem(exc)
+    raise RequestError(f"{path}: {message}" if path else message, field=path or None) from None
+
+
+# --- describing values in messages
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _num(value: float) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return "a number that large"
+    return repr(value)
+
+
+def _got(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return _num(value)
+    if isinstance(value, str):
+        return f"the string {_short(value)}"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- strict hooks for JSON scalars
+
+
+def _structure_str(value: object, _: object) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a string, got {_got(value)}")
+    return value
+
+
+def _structure_bool(value: object, _: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {_got(value)}")
+    return value
+
+
+def _structure_int(value: object, _: object) -> int:
+    if not _is_int(value):
+        raise _Invalid(f"expected an integer, got {_got(value)}")
+    return value  # type: ignore[return-value]
+
+
+def _structure_float(value: object, _: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _Invalid(f"expected a number, got {_got(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise _Invalid(f"the number {_num(value)} is out of range") from None
+
+
+def _structure_literal(value: object, type_: Any) -> object:
+    choices = get_args(type_)
+    if not isinstance(value, str | int | float | bool) or value not in choices:
+        names = ", ".join(repr(choice) for choice in choices)
+        raise _Invalid(f"must be one of {names}, got {_got(value)}")
+    return value
+
+
+def _is_homogeneous_tuple(type_: object) -> bool:
+    args = get_args(type_)
+    return get_origin(type_) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _tuple_hook(type_: Any, converter: cattrs.Converter) -> Callable[[object, object], tuple]:
+    """tuple[X, ...] from a JSON list only (never from a string or an object)."""
+    item_type = get_args(type_)[0]
+    item_hook = converter.get_structure_hook(item_type)
+
+    def structure(value: object, _: object) -> tuple:
+        if not isinstance(value, list | tuple):
+            raise _Invalid(f"expected a list, got {_got(value)}")
+        items = []
+        for i, item in enumerate(value):
+            try:
+                items.append(item_hook(item, item_type))
+            except Exception as exc:
+                raise _Nested(f"[{i}]", exc) from None
+        return tuple(items)
+
+    return structure
+
+
+# --- per-field checks and parsers, declared in field metadata
+
+_CHECK = "trioserve.check"  # (structured value) -> None, raises _Invalid; not called for None
+_PARSE = "trioserve.parse"  # (JSON value, converter) -> value, raises; replaces the type's hook
+
+Check = Callable[[Any], None]
+
+
+def _field(default: object = attrs.NOTHING, *, check: Check | None = None, parse: Callable | None = None) -> Any:
+    metadata: dict[str, object] = {}
+    if check is not None:
+        metadata[_CHECK] = check
+    if parse is not None:
+        metadata[_PARSE] = parse
+    return attrs.field(default=default, metadata=metadata)
+
+
+def _between(lo: float, hi: float, *, lo_open: bool = False) -> Check:
+    # Only comparisons that hold let a value through, so NaN is refused too.
+    def check(value: float) -> None:
+        if (value > lo if lo_open else value >= lo) and value <= hi:
+            return
+        if lo_open:
+            raise _Invalid(f"must be greater than {lo:g} and at most {hi:g}, got {_num(value)}")
+        raise _Invalid(f"must be between {lo:g} and {hi:g}, got {_num(value)}")
+
+    return check
+
+
+def _at_least_one(value: int) -> None:
+    if value < 1:
+        raise _Invalid(f"must be at least 1, got {_num(value)}")
+
+
+def _top_k(value: int) -> None:
+    if value < -1:
+        raise _Invalid(f"must be -1 or a whole number of at least 0 (-1 and 0 turn it off), got {_num(value)}")
+
+
+def _not_empty(value: tuple) -> None:
+    if not value:
+        raise _Invalid("must not be empty")
+
+
+def _only_text(value: str) -> None:
+    if value != "text":
+        raise _Invalid(f"only 'text' parts are supported, got {_short(value)}")
+
+
+def _completion_logprobs(value: int) -> None:
+    if value < 0:
+        raise _Invalid(f"must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {_num(value)}")
+    if value > MAX_COMPLETION_LOGPROBS:
+        raise _Invalid(f"at most {MAX_COMPLETION_LOGPROBS} log probabilities per token are supported, got {_num(value)}")
+
+
+def _parse_content(value: object, converter: cattrs.Converter) -> str | tuple[ContentPart, ...] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return converter.structure(value, tuple[ContentPart, ...])
+    raise _Invalid(f"expected a string or a list of content parts, got {_got(value)}")
+
+
+def _parse_stop(value: object, _: cattrs.Converter) -> str | tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value:
+            raise _Invalid("stop strings must not be empty")
+        return value
+    if not isinstance(value, list):
+        raise _Invalid(f"expected a string or a list of strings, got {_got(value)}")
+    if len(value) > MAX_STOP_STRINGS:
+        raise _Invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise _Invalid(f"expected a string, got {_got(text)}", at=f"[{i}]")
+        if not text:
+            raise _Invalid("stop strings must not be empty", at=f"[{i}]")
+    return tuple(value)
+
+
+def _token_ids(value: object, at: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _Invalid(f"expected a list of token ids, got {_got(value)}", at=at)
+    if not value:
+        raise _Invalid("must not be empty", at=at)
+    for j, token in enumerate(value):
+        if not _is_int(token) or token < 0:
+            raise _Invalid(f"expected a token id (a whole number of at least 0), got {_got(token)}", at=f"{at}[{j}]")
+    return tuple(value)
+
+
+def _parse_prompt(
+    value: object, _: cattrs.Converter
+) -> str | tuple[str, ...] | tuple[int, ...] | tuple[tuple[int, ...], ...]:
+    if isinstance(value, str):
+        if not value:
+            raise _Invalid("must not be empty")
+        return value
+    if not isinstance(value, list):
+        raise _Invalid(f"expected a string, a list of strings or a list of token ids, got {_got(value)}")
+    if not value:
+        raise _Invalid("must not be empty")
+    first = value[0]
+    if isinstance(first, str):  # a batch of text prompts
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise _Invalid(f"expected a string like the first prompt, got {_got(text)}", at=f"[{i}]")
+            if not text:
+                raise _Invalid("must not be empty", at=f"[{i}]")
+        return tuple(value)
+    if _is_int(first):  # one prompt as token ids
+        return _token_ids(value, "")
+    if isinstance(first, list):  # a batch of token-id prompts
+        return tuple(_token_ids(ids, f"[{i}]") for i, ids in enumerate(value))
+    raise _Invalid(f"expected a string, a token id or a list of token ids, got {_got(first)}", at="[0]")
+
+
+def _parse_logit_bias(value: object, _: cattrs.Converter) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected an object mapping token ids to biases, got {_got(value)}")
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        elif _is_int(key) and key >= 0:
+            token = key
+        else:
+            raise _Invalid(f"key {_short(str(key))} is not a token id")
+        if token in biases:
+            raise _Invalid(f"token {token} appears more than once")
+        if not isinstance(bias, int | float) or isinstance(bias, bool):
+            raise _Invalid(f"the bias for token {token} must be a number, got {_got(bias)}")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _Invalid(f"the bias for token {token} must be between -100 and 100, got {_num(bias)}")
+        biases[token] = float(bias)
+    return biases
+
+
+# --- the records
+
+
+@attrs.frozen
+class ContentPart:
+    """One part of a message's content; only text parts are supported."""
+
+    type: str = _field(check=_only_text)
+    text: str = _field()
+
+
+@attrs.frozen
+class ChatMessage:
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | tuple[ContentPart, ...] | None = _field(None, parse=_parse_content)
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string: parts joined by newlines, None as ""."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+@attrs.frozen
+class StreamOptions:
+    include_usage: bool = False
+
+
+@attrs.frozen
+class ChatCompletionRequest:
+    messages: tuple[ChatMessage, ...] = _field(check=_not_empty)
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = _field(None, check=_at_least_one)
+    max_completion_tokens: int | None = _field(None, check=_at_least_one)  # wins over max_tokens
+    temperature: float | None = _field(None, check=_between(0, 2))
+    top_p: float | None = _field(None, check=_between(0, 1, lo_open=True))
+    top_k: int | None = _field(None, check=_top_k)  # -1 and 0 mean off
+    min_p: float | None = _field(None, check=_between(0, 1))
+    presence_penalty: float | None = _field(None, check=_between(-2, 2))
+    frequency_penalty: float | None = _field(None, check=_between(-2, 2))
+    repetition_penalty: float | None = _field(None, check=_between(0, 2, lo_open=True))
+    stop: str | tuple[str, ...] | None = _field(None, parse=_parse_stop)
+    seed: int | None = None  # any integer, as OpenAI allows; sampling_params folds it into [0, 2**63)
+    n: int = _field(1, check=_between(1, MAX_N))
+    logit_bias: dict[int, float] | None = _field(None, parse=_parse_logit_bias)
+    logprobs: bool = False
+    top_logprobs: int | None = _field(None, check=_between(0, MAX_TOP_LOGPROBS))  # needs logprobs
+    user: str | None = None
+    ignore_eos: bool = False  # an extension (vLLM has it)
+
+
+@attrs.frozen
+class CompletionRequest:
+    prompt: str | tuple[str, ...] | tuple[int, ...] | tuple[tuple[int, ...], ...] = _field(parse=_parse_prompt)
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = _field(None, check=_at_least_one)
+    temperature: float | None = _field(None, check=_between(0, 2))
+    top_p: float | None = _field(None, check=_between(0, 1, lo_open=True))
+    top_k: int | None = _field(None, check=_top_k)
+    min_p: float | None = _field(None, check=_between(0, 1))
+    presence_penalty: float | None = _field(None, check=_between(-2, 2))
+    frequency_penalty: float | None = _field(None, check=_between(-2, 2))
+    repetition_penalty: float | None = _field(None, check=_between(0, 2, lo_open=True))
+    stop: str | tuple[str, ...] | None = _field(None, parse=_parse_stop)
+    seed: int | None = None
+    n: int = _field(1, check=_between(1, MAX_N))
+    logit_bias: dict[int, float] | None = _field(None, parse=_parse_logit_bias)
+    user: str | None = None
+    ignore_eos: bool = False
+    echo: bool = False
+    logprobs: int | None = _field(None, check=_completion_logprobs)  # top logprobs per token
+
+
+_RECORDS = (ContentPart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)  # dependencies first
+
+
+# --- the converter
+
+
+def _field_hook(field: attrs.Attribute, converter: cattrs.Converter) -> Callable[[object, object], object]:
+    parse = field.metadata.get(_PARSE)
+    check = field.metadata.get(_CHECK)
+    base = converter.get_structure_hook(field.type) if parse is None else None
+
+    def structure(value: object, type_: object) -> object:
+        result = parse(value, converter) if parse is not None else base(value, type_)
+        if check is not None and result is not None:
+            check(result)
+        return result
+
+    return structure
+
+
+def _record_hook(cls: type, converter: cattrs.Converter) -> Callable[[object, object], object]:
+    overrides = {
+        field.name: override(struct_hook=_field_hook(field, converter))
+        for field in attrs.fields(cls)
+        if _PARSE in field.metadata or _CHECK in field.metadata
+    }
+    generated = make_dict_structure_fn(cls, converter, _cattrs_detailed_validation=True, **overrides)
+
+    def structure(value: object, type_: object) -> object:
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected an object, got {_got(value)}")
+        return generated(value, type_)
+
+    return structure
+
+
+def make_converter() -> cattrs.Converter:
+    """The converter for the request records: strict scalars, lists only from
+    JSON lists, and the per-field checks the records declare."""
+    converter = cattrs.Converter(detailed_validation=True)
+    converter.register_structure_hook(str, _structure_str)
+    converter.register_structure_hook(bool, _structure_bool)
+    converter.register_structure_hook(int, _structure_int)
+    converter.register_structure_hook(float, _structure_float)
+    converter.register_structure_hook_func(lambda t: get_origin(t) is Literal, _structure_literal)
+    converter.register_structure_hook_factory(_is_homogeneous_tuple, _tuple_hook)
+    for cls in _RECORDS:
+        attrs.resolve_types(cls)
+        converter.register_structure_hook(cls, _record_hook(cls, converter))
+    return converter
+
+
+@functools.cache
+def _converter() -> cattrs.Converter:
+    return make_converter()
+
+
+# --- parsing a body
+
+
+def _object(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field=None)
+    return body
+
+
+def _structure(body: dict, cls: type) -> Any:
+    try:
+        return _converter().structure(body, cls)
+    except (BaseValidationError, _Invalid, _Nested) as exc:
+        _raise_request_error(exc)
+
+
+def _refuse(field: str, message: str) -> NoReturn:
+    raise RequestError(f"{field}: {message}", field=field)
+
+
+def parse_chat_request(body: object) -> ChatCompletionRequest:
+    """The chat request in ``body`` (parsed JSON), or RequestError."""
+    data = _object(body)
+    if data.get("tools") not in (None, []):
+        _refuse("tools", "tool calling is not supported")
+    if data.get("tool_choice") not in (None, "none"):
+        _refuse("tool_choice", "tool calling is not supported; only 'none' is accepted")
+    if data.get("functions") not in (None, []):
+        _refuse("functions", "function calling is not supported")
+    if data.get("function_call") not in (None, "none"):
+        _refuse("function_call", "function calling is not supported; only 'none' is accepted")
+    response_format = data.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is not None and kind != "text":
+        what = f"type {_short(kind)}" if isinstance(kind, str) else _got(response_format)
+        _refuse("response_format", f"only {{\"type\": \"text\"}} is supported, got {what}")
+    request: ChatCompletionRequest = _structure(data, ChatCompletionRequest)
+    _check_stream_options(request)
+    if request.top_logprobs and not request.logprobs:
+        _refuse("top_logprobs", "needs logprobs to be true")
+    return request
+
+
+def parse_completion_request(body: object) -> CompletionRequest:
+    """The completion request in ``body`` (parsed JSON), or RequestError."""
+    data = _object(body)
+    if data.get("suffix") not in (None, ""):
+        _refuse("suffix", "suffix (insertion) is not supported")
+    request: CompletionRequest = _structure(data, CompletionRequest)
+    best_of = data.get("best_of")
+    if best_of is not None:
+        if not _is_int(best_of):
+            _refuse("best_of", f"expected an integer, got {_got(best_of)}")
+        if best_of not in (1, request.n):
+            _refuse("best_of", f"only best_of equal to n is supported, got {_num(best_of)} with n {request.n}")
+    _check_stream_options(request)
+    return request
+
+
+def _check_stream_options(request: ChatCompletionRequest | CompletionRequest) -> None:
+    if request.stream_options is not None and not request.stream:
+        _refuse("stream_options", "only allowed when stream is true")
+
+
+# --- onto the engine's sampling parameters
+
+
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int) -> SamplingParams:
+    """The SamplingParams a parsed request asks for. Unset fields take the
+    engine's defaults; max_tokens defaults to ``default_max_tokens``. A seed
+    outside [0, 2**63) (OpenAI allows any integer) is taken modulo 2**63."""
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        logprobs = request.logprobs
+        top_logprobs = request.top_logprobs or 0
+    else:
+        max_tokens = request.max_tokens
+        logprobs = request.logprobs is not None
+        top_logprobs = request.logprobs or 0
+    stop = request.stop
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=0 if request.top_k is None or request.top_k < 0 else request.top_k,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        presence_penalty=0.0 if request.presence_penalty is None else request.presence_penalty,
+        frequency_penalty=0.0 if request.frequency_penalty is None else request.frequency_penalty,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=tuple((request.logit_bias or {}).items()),
+        seed=None if request.seed is None else request.seed % SEED_LIMIT,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        stop=(stop,) if isinstance(stop, str) else (stop or ()),
+        ignore_eos=request.ignore_eos,
+    )
