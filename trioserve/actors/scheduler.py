@@ -148,6 +148,7 @@ class Scheduler:
             return
         self.policy.stepped(rows)
         self.recorder.steps += 1
+        self.recorder.last_batch = len(rows)
         self.recorder.prompt_tokens += sum(max(0, min(len(r.seq.prompt_ids), r.start + len(r.tokens)) - r.start) for r in rows)
         if not sampling:
             return

@@ -22,7 +22,7 @@ from trioserve.actors.messages import FinalEvent, GenerateRequest
 from trioserve.config import ServerSettings
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestTooLarge
-from trioserve.http import openai
+from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, to_response
 from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
 from trioserve.models.chat_template import ChatTemplate
@@ -154,6 +154,13 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
         if engine is None:
             return _json({"status": state.phase})
         return _json(_stats_body(engine))
+
+    @app.route("/metrics/prometheus")
+    async def metrics_prometheus() -> Response:
+        if state.engine is None:
+            return _error(HTTPError(503, "the model is still loading", kind="server_error", code="loading"))
+        text = prometheus.render(state.engine.statistics(), state.model_name)
+        return Response(text, mimetype="text/plain; version=0.0.4")
 
     @app.route("/v1/chat/completions", methods=["POST"])
     async def chat() -> Response:

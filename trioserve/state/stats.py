@@ -9,6 +9,8 @@ from collections import Counter, deque
 import attrs
 
 WINDOW = 2048
+# Histogram bucket upper bounds, seconds (Prometheus adds +Inf).
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 @attrs.frozen
@@ -16,6 +18,7 @@ class Latency:
     count: int
     total_s: float
     recent: tuple[float, ...]
+    buckets: tuple[int, ...] = ()  # cumulative counts for each of BUCKETS
 
     @property
     def mean_s(self) -> float | None:
@@ -38,6 +41,7 @@ class EngineStats:
     inter_token: Latency
     end_to_end: Latency
     dead: str | None = None
+    last_batch: int = 0  # rows of the most recent step
 
     def finished_count(self, reason: str) -> int:
         return dict(self.finished).get(reason, 0)
@@ -48,19 +52,29 @@ class _Series:
         self.count = 0
         self.total = 0.0
         self.recent: deque[float] = deque(maxlen=WINDOW)
+        self.bucket_counts = [0] * len(BUCKETS)
 
     def add(self, value: float) -> None:
         self.count += 1
         self.total += value
         self.recent.append(value)
+        for i, bound in enumerate(BUCKETS):
+            if value <= bound:
+                self.bucket_counts[i] += 1
+                break
 
     def freeze(self) -> Latency:
-        return Latency(self.count, self.total, tuple(self.recent))
+        cumulative, running = [], 0
+        for n in self.bucket_counts:
+            running += n
+            cumulative.append(running)
+        return Latency(self.count, self.total, tuple(self.recent), tuple(cumulative))
 
 
 class StatsRecorder:
     def __init__(self) -> None:
         self.steps = 0
+        self.last_batch = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.finished: Counter[str] = Counter()
@@ -86,4 +100,5 @@ class StatsRecorder:
             inter_token=self.inter_token.freeze(),
             end_to_end=self.end_to_end.freeze(),
             dead=self.dead,
+            last_batch=self.last_batch,
         )
