@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from trioserve.config import parse_byte_size
 from trioserve.errors import ChatTemplateError, CheckpointError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -76,20 +77,11 @@ def _port(text: str) -> int:
     return value
 
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
-
-
 def _byte_size(text: str) -> int:
-    """'512MiB', '2GiB', '1000000' -> bytes."""
-    number = text.rstrip("BbKkMmGgIi")
-    unit = text[len(number) :].lower()
     try:
-        value = int(float(number) * _UNITS[unit])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"must be a size like 512MiB or 2GiB, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

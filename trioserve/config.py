@@ -62,3 +62,59 @@ class ServerSettings:
     max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+def parse_byte_size(text: str) -> int:
+    """'512MiB', '2GiB', '1000000' -> bytes; ValueError otherwise."""
+    number = text.strip().rstrip("BbKkMmGgIi")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"must be a size like 512MiB or 2GiB, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"must be positive, got {text!r}")
+    return value
+
+
+# TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
+_ENV = {
+    "TRIOSERVE_MODEL": ("engine.model", str),
+    "TRIOSERVE_DTYPE": ("engine.dtype", str),
+    "TRIOSERVE_DEVICE": ("engine.device", str),
+    "TRIOSERVE_MAX_NUM_SEQS": ("engine.max_num_seqs", int),
+    "TRIOSERVE_MAX_MODEL_LEN": ("engine.max_model_len", int),
+    "TRIOSERVE_KV_CACHE_BYTES": ("engine.kv_cache_bytes", parse_byte_size),
+    "TRIOSERVE_MAX_QUEUE": ("engine.max_queue", int),
+    "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
+    "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
+    "TRIOSERVE_API_KEY": ("api_key", str),
+    "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),
+    "TRIOSERVE_DRAIN_TIMEOUT": ("drain_timeout_s", float),
+}
+
+
+def settings_from_env(environ: dict[str, str]) -> ServerSettings:
+    """ServerSettings from TRIOSERVE_* variables (for `hypercorn -k trio
+    'trioserve.http.app:create_app()'`). A bad value is a ValueError naming
+    the variable."""
+    engine: dict = {}
+    server: dict = {}
+    for var, (field, parse) in _ENV.items():
+        if var not in environ:
+            continue
+        try:
+            value = parse(environ[var])
+        except ValueError as exc:
+            raise ValueError(f"{var}: {exc}") from None
+        if field.startswith("engine."):
+            engine[field.removeprefix("engine.")] = value
+        else:
+            server[field] = value
+    try:
+        return ServerSettings(engine=EngineConfig(**engine), **server)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"TRIOSERVE_* settings: {exc}") from None

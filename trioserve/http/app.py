@@ -10,6 +10,7 @@ event stream, which cancels the request within one engine step."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -19,7 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve.actors.messages import FinalEvent, GenerateRequest
-from trioserve.config import ServerSettings
+from trioserve.config import ServerSettings, settings_from_env
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestTooLarge
 from trioserve.http import openai, prometheus
@@ -86,7 +87,9 @@ def _seed_for(params, index: int):
 
 
 def create_app(settings: ServerSettings | None = None) -> QuartTrio:
-    settings = settings or ServerSettings()
+    """A new app. Without ``settings``, they come from TRIOSERVE_* variables,
+    so `hypercorn -k trio 'trioserve.http.app:create_app()'` is configurable."""
+    settings = settings or settings_from_env(dict(os.environ))
     app = QuartTrio("trioserve")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 1

@@ -1,0 +1,55 @@
+"""Settings: validation at construction, byte sizes, TRIOSERVE_* variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from trioserve.config import EngineConfig, parse_byte_size, settings_from_env
+
+
+@pytest.mark.parametrize(("text", "value"), [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1000", 1000), ("1.5KiB", 1536), ("3MB", 3_000_000)])
+def test_byte_sizes(text, value):
+    assert parse_byte_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "-5MiB", "0", "MiB"])
+def test_bad_byte_sizes_say_what_is_expected(text):
+    with pytest.raises(ValueError, match="must be"):
+        parse_byte_size(text)
+
+
+def test_engine_config_refuses_a_budget_that_cannot_hold_every_row():
+    with pytest.raises(ValueError, match=r"prefill_budget \(8\) must exceed max_num_seqs \(8\)"):
+        EngineConfig(max_num_seqs=8, prefill_budget=8)
+    with pytest.raises(ValueError, match="max_queue must be positive, got 0"):
+        EngineConfig(max_queue=0)
+
+
+def test_settings_from_env_reads_every_kind_of_value():
+    s = settings_from_env(
+        {
+            "TRIOSERVE_MODEL": "/models/x.gguf",
+            "TRIOSERVE_MAX_NUM_SEQS": "4",
+            "TRIOSERVE_KV_CACHE_BYTES": "64MiB",
+            "TRIOSERVE_API_KEY": "k",
+            "TRIOSERVE_DRAIN_TIMEOUT": "2.5",
+            "UNRELATED": "ignored",
+        }
+    )
+    assert (s.engine.model, s.engine.max_num_seqs, s.engine.kv_cache_bytes) == ("/models/x.gguf", 4, 64 << 20)
+    assert (s.api_key, s.drain_timeout_s) == ("k", 2.5)
+    assert settings_from_env({}) == settings_from_env({"UNRELATED": "1"})
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"TRIOSERVE_MAX_NUM_SEQS": "many"}, "TRIOSERVE_MAX_NUM_SEQS: invalid literal"),
+        ({"TRIOSERVE_KV_CACHE_BYTES": "lots"}, "TRIOSERVE_KV_CACHE_BYTES: must be a size"),
+        ({"TRIOSERVE_MAX_NUM_SEQS": "600"}, "prefill_budget (512) must exceed max_num_seqs (600)"),
+    ],
+)
+def test_bad_env_values_name_the_variable(env, fragment):
+    with pytest.raises(ValueError) as info:
+        settings_from_env(env)
+    assert fragment in str(info.value)
