@@ -27,6 +27,9 @@ What is measured, per request:
 - output tokens: ``usage.completion_tokens`` when the server reports it,
   otherwise the number of chunks with generated text.
 - end-to-end time: from sending to the end of the stream.
+- prompt tokens (table only): the server's usage.prompt_tokens, which
+  includes the chat template (a default system prompt, role markers), so it
+  runs above --prompt-tokens; "n/a" when the server reports no usage.
 
 Per level: throughput = output tokens of the successful requests / wall time
 of the level; TTFT and ITL p50/p99 (nearest rank) over successful requests;
