@@ -355,6 +355,10 @@ async def main_async(args) -> int:
             if level.not_run:
                 print(f"  {level.not_run} requests cut off by the level's deadline", flush=True)
 
+    # Said before the table, so the JSON object stays the last line of output.
+    succeeded = any(lv.ok for lv in levels)
+    if not succeeded:
+        print("error: no request succeeded", file=sys.stderr, flush=True)
     print()
     print("| concurrency | requests | errors | prompt tok | output tok | wall s | tokens/s "
           "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms |")
@@ -373,10 +377,7 @@ async def main_async(args) -> int:
         "ttft_ms": {"p50": rounded(last.ttft_ms(50)), "p99": rounded(last.ttft_ms(99))},
         "itl_ms": {"p50": rounded(last.itl_ms(50)), "p99": rounded(last.itl_ms(99))},
     }), flush=True)
-    if not any(lv.ok for lv in levels):
-        print("error: no request succeeded", file=sys.stderr)
-        return 1
-    return 0
+    return 0 if succeeded else 1
 
 
 def positive_int(text: str) -> int:

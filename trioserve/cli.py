@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
     srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
+    srv.add_argument("--write-timeout", type=float, default=30.0, help="seconds a response write may stall before the request is cancelled (default 30)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser
@@ -164,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
+        write_timeout_s=args.write_timeout,
         log_level=args.log_level,
     )
     return run_server(settings)

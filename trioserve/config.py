@@ -52,7 +52,9 @@ class ServerSettings:
     served_model_name: the model id clients send and see (default: the
     checkpoint's name). api_key: when set, every /v1 route needs
     `Authorization: Bearer <key>`. max_body_bytes: larger bodies get 413.
-    drain_timeout_s: on SIGINT/SIGTERM, how long in-flight requests may run."""
+    drain_timeout_s: on SIGINT/SIGTERM, how long in-flight requests may run.
+    write_timeout_s: a response write that does not complete in this time
+    (a client that stopped reading) cancels the request."""
 
     engine: EngineConfig = EngineConfig()
     host: str = "127.0.0.1"
@@ -61,6 +63,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
     drain_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
     log_level: str = "info"
 
 
@@ -94,6 +97,7 @@ _ENV = {
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),
     "TRIOSERVE_DRAIN_TIMEOUT": ("drain_timeout_s", float),
+    "TRIOSERVE_WRITE_TIMEOUT": ("write_timeout_s", float),
 }
 
 

@@ -25,6 +25,7 @@ from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, to_response
+from trioserve.http.write_timeout import WriteTimeout
 from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.sampling import SEED_LIMIT
@@ -91,6 +92,7 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
     so `hypercorn -k trio 'trioserve.http.app:create_app()'` is configurable."""
     settings = settings or settings_from_env(dict(os.environ))
     app = QuartTrio("trioserve")
+    app.asgi_app = WriteTimeout(app.asgi_app, settings.write_timeout_s)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 1
     state = ServerState(settings)
