@@ -24,14 +24,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number between 0 and 2, got {text!r}") from None
-    if not 0.0 <= value <= 2.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 2, got {value}")
-    return value
+def _number_in(kind: type, low: float, high: float, what: str):
+    """An argparse type: ``kind(text)`` within [low, high]."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, got {value}")
+        return value
+
+    return parse
+
+
+_temperature = _number_in(float, 0.0, 2.0, "a number between 0 and 2")
+_port = _number_in(int, 0, 65535, "a port number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,16 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
-    return value
 
 
 def _byte_size(text: str) -> int:
