@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
     srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
     srv.add_argument("--write-timeout", type=float, default=30.0, help="seconds a response write may stall before the request is cancelled (default 30)")
+    srv.add_argument("--default-max-tokens", type=_positive_int, default=2048, help="max_tokens for requests that send none (default 2048)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser
@@ -165,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         write_timeout_s=args.write_timeout,
+        default_max_tokens=args.default_max_tokens,
         log_level=args.log_level,
     )
     return run_server(settings)

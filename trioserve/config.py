@@ -54,7 +54,9 @@ class ServerSettings:
     `Authorization: Bearer <key>`. max_body_bytes: larger bodies get 413.
     drain_timeout_s: on SIGINT/SIGTERM, how long in-flight requests may run.
     write_timeout_s: a response write that does not complete in this time
-    (a client that stopped reading) cancels the request."""
+    (a client that stopped reading) cancels the request.
+    default_max_tokens: the cap on max_tokens for requests that send none
+    (they also never reserve more than the rest of the context or the pool)."""
 
     engine: EngineConfig = EngineConfig()
     host: str = "127.0.0.1"
@@ -64,6 +66,7 @@ class ServerSettings:
     max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
     drain_timeout_s: float = 30.0
     write_timeout_s: float = 30.0
+    default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     log_level: str = "info"
 
 
@@ -98,6 +101,7 @@ _ENV = {
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),
     "TRIOSERVE_DRAIN_TIMEOUT": ("drain_timeout_s", float),
     "TRIOSERVE_WRITE_TIMEOUT": ("write_timeout_s", float),
+    "TRIOSERVE_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
 }
 
 

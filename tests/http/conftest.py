@@ -72,10 +72,11 @@ async def wait_healthy(url: str, *, timeout: float = 20.0) -> None:
 
 async def start_server(nursery: trio.Nursery, settings: ServerSettings) -> str:
     """Start serve_app in ``nursery``; its base URL once /health says ok."""
-    urls = await nursery.start(serve_app, settings)
-    assert urls, "serve_app reported no bound address"
-    url = next(u for u in urls if u.startswith("http://127.0.0.1:"))
-    await wait_healthy(url)
+    with trio.fail_after(30):
+        urls = await nursery.start(serve_app, settings)
+        assert urls, "serve_app reported no bound address"
+        url = next(u for u in urls if u.startswith("http://127.0.0.1:"))
+        await wait_healthy(url)
     return url
 
 
@@ -131,8 +132,12 @@ class SSE:
         out = []
         for chunk in self.chunks:
             for choice in chunk["choices"]:
-                if choice["index"] == index:
-                    out.append(choice["delta"].get("content") or "" if "delta" in choice else choice["text"])
+                if choice["index"] != index:
+                    continue
+                if "delta" in choice:  # chat
+                    out.append(choice["delta"].get("content") or "")
+                else:  # completions
+                    out.append(choice["text"])
         return "".join(out)
 
     def choice_chunks(self, index: int = 0) -> list[dict]:

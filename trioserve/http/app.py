@@ -18,11 +18,12 @@ import attrs
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from trioserve.actors.messages import FinalEvent, GenerateRequest
 from trioserve.config import ServerSettings, settings_from_env
 from trioserve.engine import Engine, open_engine
-from trioserve.errors import EngineClosed, RequestTooLarge
+from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, to_response
 from trioserve.http.write_timeout import WriteTimeout
@@ -72,8 +73,11 @@ def _error(exc: Exception) -> Response:
     return _json(body, status, headers)
 
 
-async def _body() -> object:
-    raw = await request.get_data(cache=False)
+async def _body(limit: int) -> object:
+    try:
+        raw = await request.get_data(cache=False)
+    except RequestEntityTooLarge:
+        raise HTTPError(413, f"the request body is larger than {limit} bytes", code="body_too_large") from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -125,6 +129,7 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
 
     @app.errorhandler(413)
     async def too_large(_exc) -> Response:
+        # Bodies are read inside the routes (see _body); this covers any other reader.
         return _error(HTTPError(413, f"the request body is larger than {settings.max_body_bytes} bytes", code="body_too_large"))
 
     @app.errorhandler(404)
@@ -171,11 +176,11 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
     async def chat() -> Response:
         try:
             engine = state.ready()
-            req = parse_chat_request(await _body())
+            req = parse_chat_request(await _body(settings.max_body_bytes))
             _check_model(state, req.model)
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             prompt_ids = engine.tokenizer.encode(state.template.render(messages, add_generation_prompt=True))
-            params = sampling_params(req, default_max_tokens=_room(engine, prompt_ids))
+            params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return _error(exc)
         job = _Job(state, engine, "chat", prompt_ids, params, req.n, req.logprobs, prompt_text="", echo=False)
@@ -188,13 +193,13 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
     async def completions() -> Response:
         try:
             engine = state.ready()
-            req = parse_completion_request(await _body())
+            req = parse_completion_request(await _body(settings.max_body_bytes))
             _check_model(state, req.model)
             prompts = _completion_prompts(engine, req.prompt)
             if len(prompts) != 1:
                 raise HTTPError(400, "only one prompt per request is supported; send a string or one list of token ids", param="prompt")
             prompt_text, prompt_ids = prompts[0]
-            params = sampling_params(req, default_max_tokens=_room(engine, prompt_ids))
+            params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "prompt", settings.default_max_tokens))
         except Exception as exc:  # noqa: BLE001
             return _error(exc)
         job = _Job(state, engine, "text", prompt_ids, params, req.n, req.logprobs is not None, prompt_text=prompt_text, echo=req.echo)
@@ -218,26 +223,37 @@ def _check_model(state: ServerState, name: str | None) -> None:
         raise HTTPError(404, f"the model {name!r} does not exist (this server serves {state.model_name!r})", param="model", code="model_not_found")
 
 
-def _room(engine: Engine, prompt_ids: list[int]) -> int:
+def _default_max_tokens(engine: Engine, prompt_ids: list[int], field: str, cap: int) -> int:
+    """max_tokens for a request that did not send one: the rest of the
+    context, but no more than ``cap`` nor than the whole KV pool can hold
+    beside the prompt (admission reserves prompt + max_tokens)."""
     room = engine.max_model_len - len(prompt_ids)
     if room < 1:
         raise RequestTooLarge(
-            f"the prompt has {len(prompt_ids)} tokens; the maximum model length is {engine.max_model_len}", field="messages"
+            f"the prompt has {len(prompt_ids)} tokens; the maximum model length is {engine.max_model_len}", field=field
         )
-    return room
+    stats = engine.statistics()
+    pool_room = stats.kv_blocks_total * stats.block_size - len(prompt_ids)
+    return max(1, min(room, cap, pool_room))
 
 
 def _completion_prompts(engine: Engine, prompt) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt; token ids are checked before decoding."""
     if isinstance(prompt, str):
         return [(prompt, engine.tokenizer.encode(prompt))]
     if prompt and all(isinstance(p, int) for p in prompt):
-        return [(engine.tokenizer.decode(list(prompt)), list(prompt))]
+        prompt = [prompt]
     out = []
     for p in prompt:
         if isinstance(p, str):
             out.append((p, engine.tokenizer.encode(p)))
-        else:
-            out.append((engine.tokenizer.decode(list(p)), list(p)))
+            continue
+        ids = list(p)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", field="prompt")
+        out.append((engine.tokenizer.decode(ids), ids))
     return out
 
 
