@@ -578,3 +578,33 @@ async def test_default_max_tokens_caps_generation(nursery, tiny_gguf):
             response = await client.post("/v1/completions", json={"prompt": "The quick", "ignore_eos": True})
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["completion_tokens"] == 9
+
+
+async def test_prometheus_metrics_parse_and_move(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def values(text: str) -> dict:
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            first = await client.get("/metrics/prometheus")
+            assert first.status_code == 200 and first.headers["content-type"].startswith("text/plain")
+            before = values(first.text)
+            response = await client.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 5, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            after = values((await client.get("/metrics/prometheus")).text)
+    stop = ("trioserve_requests_total", (("outcome", "length"),))
+    assert after[stop] - before.get(stop, 0) == 1
+    gen = ("trioserve_generation_tokens_total", ())
+    assert after[gen] - before[gen] == 5
+    count = ("trioserve_time_to_first_token_seconds_count", ())
+    assert after[count] - before[count] == 1
+    itl = ("trioserve_inter_token_latency_seconds_count", ())
+    assert after[itl] - before[itl] == 4
+    assert after[("trioserve_requests_running", ())] == 0
+    assert after[("trioserve_model_info", (("model", MODEL_NAME),))] == 1

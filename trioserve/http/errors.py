@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+
+from quart import Response
 
 from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
 
@@ -39,3 +42,12 @@ def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
     if isinstance(exc, EngineClosed):
         return 503, error_body(str(exc), "server_error", None, "shutting_down"), {}
     return 500, error_body(f"internal error: {type(exc).__name__}", "server_error"), {}
+
+
+def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers or {}, mimetype="application/json")
+
+
+def error_response(exc: Exception) -> Response:
+    status, body, headers = to_response(exc)
+    return json_response(body, status, headers)

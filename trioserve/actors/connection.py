@@ -1,0 +1,157 @@
+"""The connection actor: one per HTTP request, living in that request's
+handler task. It submits the request's generations to the engine and turns
+their events into one JSON body or a stream of SSE chunks.
+
+Cancellation: when the client disconnects, hypercorn and quart-trio cancel
+the handler (buffered) or close the body generator (streaming); either way
+the `aclosing` blocks here close the engine's event streams, and the
+scheduler drops the requests within one step."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import attrs
+import trio
+from quart import Response
+
+from trioserve.actors.messages import FinalEvent, GenerateRequest
+from trioserve.http import openai
+from trioserve.http.errors import HTTPError, error_response, json_response, to_response
+from trioserve.models.sampling import SEED_LIMIT
+
+
+def seed_for(params, index: int):
+    """Choice ``index`` of n: seed + index, so every choice is reproducible."""
+    if params.seed is None or index == 0:
+        return params
+    return attrs.evolve(params, seed=(params.seed + index) % SEED_LIMIT)
+
+
+class Connection:
+    """One HTTP request's generations (n of them) and their rendering."""
+
+    def __init__(self, state, engine, kind, prompt_ids, params, n, logprobs, *, prompt_text: str, echo: bool):
+        self.state = state
+        self.engine = engine
+        self.kind = kind  # "chat" or "text"
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.n = n
+        self.logprobs = logprobs
+        self.prompt_text = prompt_text
+        self.echo = echo
+        self.id = openai.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = openai.now()
+        self.model = state.model_name
+
+    def _request(self, index: int) -> GenerateRequest:
+        return GenerateRequest(self.prompt_ids, seed_for(self.params, index))
+
+    async def _run_choice(self, index: int, choice: openai.Choice) -> None:
+        async with aclosing(self.engine.generate(self._request(index))) as events:
+            async for event in events:
+                choice.add(event)
+
+    async def collect(self) -> Response:
+        choices = [openai.Choice(i) for i in range(self.n)]
+        failure: list[Exception] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                for c in choices:
+                    nursery.start_soon(self._run_choice, c.index, c)
+        except* Exception as group:
+            failure.append(group.exceptions[0])
+        if failure:
+            return error_response(failure[0])
+        failed = [c for c in choices if c.final.finish_reason == "error"]
+        if failed:
+            return error_response(HTTPError(503 if self.engine.statistics().dead else 500, failed[0].final.error or "generation failed", kind="server_error"))
+        if self.kind == "chat":
+            return json_response(openai.chat_body(self.id, self.created, self.model, choices, len(self.prompt_ids), self.engine.tokenizer, self.logprobs))
+        body = openai.envelope("text_completion", self.id, self.created, self.model)
+        body["choices"] = [
+            {
+                "index": c.index,
+                "text": (self.prompt_text if self.echo else "") + c.content,
+                "logprobs": openai.completion_logprobs(self.engine.tokenizer, c.tokens, len(self.prompt_text) if self.echo else 0) if self.logprobs else None,
+                "finish_reason": c.final.finish_reason,
+            }
+            for c in choices
+        ]
+        body["usage"] = openai.usage_body(len(self.prompt_ids), sum(c.final.usage.completion_tokens for c in choices))
+        return json_response(body)
+
+    async def stream(self, include_usage: bool) -> Response:
+        # Submit the first choice now, so a refusal (queue full, too long) is
+        # an ordinary error response rather than an error inside the stream.
+        first = aclosing(self.engine.generate(self._request(0)))
+        events = await first.__aenter__()
+        try:
+            head = await events.__anext__()
+        except BaseException as exc:
+            await first.__aexit__(None, None, None)
+            if isinstance(exc, Exception):
+                return error_response(exc)
+            raise
+        body = self._sse(first, head, include_usage)
+        response = Response(body, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        response.timeout = None
+        return response
+
+    async def _sse(self, first, head, include_usage: bool) -> AsyncIterator[bytes]:
+        """Chunks for every choice, then usage and [DONE]. With n > 1 the
+        choices stream one after another, each chunk carrying its index."""
+        completion_tokens = 0
+        async with first as events:
+            if self.kind == "chat":
+                for i in range(self.n):
+                    yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, i, {"role": "assistant", "content": ""}))
+            elif self.echo:
+                for i in range(self.n):
+                    yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self.prompt_text))
+            pending = [head]
+            async for event in _chain(pending, events):
+                for chunk, done_tokens in self._render(0, event):
+                    completion_tokens += done_tokens
+                    yield chunk
+        for index in range(1, self.n):
+            async with aclosing(self.engine.generate(self._request(index))) as more:
+                async for event in more:
+                    for chunk, done_tokens in self._render(index, event):
+                        completion_tokens += done_tokens
+                        yield chunk
+        if include_usage:
+            kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            yield openai.sse(openai.usage_chunk(kind, self.id, self.created, self.model, len(self.prompt_ids), completion_tokens))
+        yield openai.sse("[DONE]")
+
+    def _render(self, index: int, event):
+        tok = self.engine.tokenizer
+        if isinstance(event, FinalEvent):
+            if event.finish_reason == "error":
+                _, body, _ = to_response(HTTPError(500, event.error or "generation failed", kind="server_error"))
+                yield openai.sse(body), event.usage.completion_tokens
+                return
+            if self.kind == "chat":
+                if event.text:
+                    yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {"content": event.text})), 0
+                yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {}, event.finish_reason)), event.usage.completion_tokens
+            else:
+                yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, event.finish_reason)), event.usage.completion_tokens
+            return
+        if self.kind == "chat":
+            lp = openai.chat_logprob_entries(tok, [event]) if self.logprobs else None
+            yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {"content": event.text}, None, lp)), 0
+        else:
+            lp = openai.completion_logprobs(tok, [event], 0) if self.logprobs else None
+            yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, None, lp)), 0
+
+
+async def _chain(pending: list, events) -> AsyncIterator:
+    for event in pending:
+        yield event
+    async for event in events:
+        yield event
+
