@@ -61,7 +61,7 @@ def measure(model: LlamaModel, *, decode_steps: int, repeats: int) -> dict:
         for _ in range(repeats):
             t0 = time.perf_counter()
             for k in range(decode_steps):
-                chunks = [SeqChunk([5 + i], CONTEXT + k, t) for i, t in enumerate(tables)]
+                chunks = [SeqChunk([5 + i], CONTEXT + k, t, decode=True) for i, t in enumerate(tables)]
                 model.forward(build_step(chunks, BLOCK), cache)
             best = min(best, time.perf_counter() - t0)
         decode[str(batch)] = batch * decode_steps / best

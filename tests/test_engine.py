@@ -21,12 +21,13 @@ import attrs
 import pytest
 import torch
 import trio
+import trio.testing
 
 from trioserve.actors.messages import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.actors.worker import StepRefused
 from trioserve.config import EngineConfig
 from trioserve.engine import Engine, open_engine
-from trioserve.errors import EngineDead, QueueFull, RequestError, RequestTooLarge
+from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge
 from trioserve.models.checkpoint import Checkpoint, load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.sampling import SEED_LIMIT, SamplingParams
@@ -912,3 +913,57 @@ async def test_random_cancellations_leave_a_clean_engine(ckpt):
         assert final.usage == solo[i].final.usage
     for i in cancelled:
         assert seen[i] == solo[i].tokens[: len(seen[i])]
+
+
+# -- robustness: bugs and shutdown must not strand callers ------------------------
+
+
+async def test_a_bug_in_the_step_loop_kills_the_engine_and_is_reported(ckpt, monkeypatch):
+    """An exception escaping the scheduler's loop (here: committing the third
+    token) fails every request in flight, shows in statistics().dead, and
+    later submissions are refused with EngineDead instead of hanging."""
+    from trioserve.state import sequence
+
+    real = sequence.Sequence.commit
+    calls = {"n": 0}
+
+    def failing_commit(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected bug")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sequence.Sequence, "commit", failing_commit)
+    with trio.fail_after(20):
+        async with open_engine(config(), checkpoint=ckpt) as engine:
+            outcome = await collect(engine, GenerateRequest([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
+            assert outcome.final.finish_reason == "error"
+            assert "injected bug" in outcome.final.error
+            assert "RuntimeError: injected bug" in engine.statistics().dead
+            with pytest.raises(EngineDead, match="injected bug"):
+                await collect(engine, GenerateRequest([5, 6], SamplingParams(max_tokens=2)))
+
+
+@pytest.mark.parametrize("checkpoints", [1, 2, 3, 4])
+async def test_submissions_queued_at_shutdown_are_refused_not_stranded(ckpt, checkpoints):
+    """Leaving open_engine a few scheduling points after 8 submissions (some
+    still sit in the scheduler's inbox): each caller gets EngineClosed or
+    its stream ends; none waits forever for a reply."""
+    outcomes: list[str] = []
+
+    async def submit(engine) -> None:
+        try:
+            await collect(engine, GenerateRequest([5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0)))
+            outcomes.append("finished")
+        except EngineClosed:
+            outcomes.append("closed")
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            async with open_engine(config(), checkpoint=ckpt) as engine:
+                for _ in range(8):
+                    nursery.start_soon(submit, engine)
+                for _ in range(checkpoints):
+                    await trio.sleep(0)
+            # the engine is gone; every caller must come back on its own
+    assert len(outcomes) == 8 and set(outcomes) <= {"closed", "finished"}

@@ -72,7 +72,7 @@ def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
                 outputs[s].append(token)
         if not live:
             break
-        chunks = [SeqChunk([outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1, tables[s]) for s in live]
+        chunks = [SeqChunk([outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1, tables[s], decode=True) for s in live]
         logits = model.forward(build_step(chunks, BLOCK), cache)
     assert outputs == solo
     stats = pool.stats()

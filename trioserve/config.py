@@ -22,7 +22,10 @@ class EngineConfig:
     kv_cache_bytes: memory for the KV block pool.
     prefill_budget: tokens per step, decode rows and prefill chunks together.
     max_queue: requests waiting for admission before new ones get QueueFull.
-    channel_size: bound of each actor's inbox."""
+    channel_size: bound of each actor's inbox.
+    prefix_cache: share KV blocks of identical prompt prefixes; idle cached
+    blocks are evicted LRU when admission needs room, beyond
+    prefix_cache_max_blocks, or after prefix_cache_idle_s without use."""
 
     model: str = "smollm2"
     dtype: str = "auto"
@@ -36,6 +39,9 @@ class EngineConfig:
     max_queue: int = attrs.field(default=256, validator=_positive)
     channel_size: int = attrs.field(default=64, validator=_positive)
     retry_after_s: float = 1.0
+    prefix_cache: bool = True
+    prefix_cache_max_blocks: int | None = attrs.field(default=None, validator=_positive)
+    prefix_cache_idle_s: float | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_budget <= self.max_num_seqs:
@@ -86,6 +92,15 @@ def parse_byte_size(text: str) -> int:
     return value
 
 
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
 _ENV = {
     "TRIOSERVE_MODEL": ("engine.model", str),
@@ -96,6 +111,9 @@ _ENV = {
     "TRIOSERVE_KV_CACHE_BYTES": ("engine.kv_cache_bytes", parse_byte_size),
     "TRIOSERVE_MAX_QUEUE": ("engine.max_queue", int),
     "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
+    "TRIOSERVE_PREFIX_CACHE": ("engine.prefix_cache", _flag),
+    "TRIOSERVE_PREFIX_CACHE_MAX_BLOCKS": ("engine.prefix_cache_max_blocks", int),
+    "TRIOSERVE_PREFIX_CACHE_IDLE": ("engine.prefix_cache_idle_s", float),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),

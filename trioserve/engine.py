@@ -28,6 +28,7 @@ from trioserve.models.llama import LlamaModel
 from trioserve.models.sampling import SamplingError
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool, blocks_for_budget
+from trioserve.state.prefix_cache import PrefixCache
 from trioserve.state.scheduling import SchedulingPolicy
 from trioserve.state.stats import EngineStats
 
@@ -132,13 +133,19 @@ async def open_engine(
             field="kv_cache_bytes",
         )
     cache = await trio.to_thread.run_sync(model.new_kv_cache, num_blocks, config.block_size)
+    pool = BlockPool(num_blocks, config.block_size)
+    prefixes = None
+    if config.prefix_cache:
+        prefixes = PrefixCache(pool, max_blocks=config.prefix_cache_max_blocks, idle_s=config.prefix_cache_idle_s)
     policy = SchedulingPolicy(
-        BlockPool(num_blocks, config.block_size),
+        pool,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_len,
         prefill_budget=config.prefill_budget,
         max_queue=config.max_queue,
         retry_after=config.retry_after_s,
+        prefix_cache=prefixes,
+        clock=trio.current_time,
     )
     worker_send, worker_recv = trio.open_memory_channel(1)
     sampler_send, sampler_recv = trio.open_memory_channel(1)

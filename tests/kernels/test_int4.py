@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trioserve.kernels.int4 import INT4_MAX_ROWS, Projection, concat_rows, parts_from_gguf
+from trioserve.kernels.int4 import Projection, concat_rows, parts_from_gguf
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -40,8 +40,8 @@ def test_q4_1_checkpoint_keeps_int4_parts_in_unpermuted_row_order(tiny_checkpoin
     assert f32.int4 == {}
 
 
-@pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 1])
-def test_projection_int4_and_bf16_paths_agree(rows):
+@pytest.mark.parametrize(("rows", "int4_rows"), [(1, 1), (5, 5), (20, 0), (20, 7), (20, 20)])
+def test_projection_int4_and_bf16_paths_agree(rows, int4_rows):
     rng = np.random.default_rng(rows)
     pieces = [gguf.quants.quantize(rng.standard_normal((n, 64)).astype(np.float32), Q.Q4_1) for n in (32, 16)]
     parts = concat_rows([parts_from_gguf(p, "Q4_1") for p in pieces])
@@ -50,9 +50,15 @@ def test_projection_int4_and_bf16_paths_agree(rows):
     assert proj.packed is not None
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     reference = x.float() @ exact.T
-    out = proj(x).float()
+    out = proj(x, int4_rows).float()
     # Both paths round to bf16; the error is bf16's, relative to the output scale.
     assert (out - reference).abs().max() <= 0.02 * reference.abs().max()
+    # The leading int4_rows rows went through the int4 kernel, the rest through bf16.
+    bf16_rows = torch.nn.functional.linear(x, exact.to(torch.bfloat16)).float()
+    assert torch.equal(out[int4_rows:], bf16_rows[int4_rows:])
+    if int4_rows:
+        alone = torch._weight_int4pack_mm_for_cpu(x[:int4_rows].contiguous(), proj.packed, 32, proj.scales_zeros).float()
+        assert torch.equal(out[:int4_rows], alone)
 
 
 def test_float32_projection_never_packs():
@@ -68,8 +74,12 @@ def test_bf16_model_with_int4_weights_matches_without(tiny_checkpoints):
     with_int4 = LlamaModel.from_checkpoint(ckpt)
     without = LlamaModel.from_checkpoint(ckpt, use_int4=False)
     assert with_int4.layers[0].qkv.packed is not None and without.layers[0].qkv.packed is None
-    step = build_step([SeqChunk([5, 9, 33, 7], 0, [0, 1]), SeqChunk([3], 0, [2])], 4)
+    step = build_step([SeqChunk([3], 4, [2, 3], decode=True), SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4)
+    assert step.num_decode == 1
     a = with_int4.forward(step, with_int4.new_kv_cache(4, 4))
     b = without.forward(step, without.new_kv_cache(4, 4))
+    prompt_only = with_int4.forward(build_step([SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4), with_int4.new_kv_cache(4, 4))
+    # Prompt tokens use bf16 weights whether or not a decode row shares the step.
+    assert torch.equal(a[1], prompt_only[0])
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -119,3 +119,16 @@ def test_empty_chunk():
 def test_block_table_too_short(tokens, start, table):
     with pytest.raises(ValueError, match="blocks cannot hold"):
         build_step([SeqChunk([7], 0, [3]), SeqChunk(tokens, start, table)], BS)
+
+
+def test_decode_chunks_lead_and_are_counted():
+    step = build_step([SeqChunk([7], 5, [0, 1], decode=True), SeqChunk([8], 3, [2], decode=True), SeqChunk([1, 2, 3], 0, [3])], 4)
+    assert step.num_decode == 2
+    assert build_step([SeqChunk([1, 2], 0, [0])], 4).num_decode == 0
+
+
+def test_decode_chunks_after_prefill_or_longer_than_one_token_are_refused():
+    with pytest.raises(ValueError, match="decode chunks must come before prefill chunks"):
+        build_step([SeqChunk([1, 2], 0, [0]), SeqChunk([7], 5, [1, 2], decode=True)], 4)
+    with pytest.raises(ValueError, match="a decode chunk has exactly one token, got 2"):
+        build_step([SeqChunk([7, 8], 5, [1, 2], decode=True)], 4)

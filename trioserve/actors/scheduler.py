@@ -26,7 +26,7 @@ from trioserve.actors.messages import (
     TokenEvent,
     Usage,
 )
-from trioserve.errors import EngineDead, RequestError, TrioserveError
+from trioserve.errors import EngineClosed, EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
 from trioserve.models.sampling import Row, new_seed
 from trioserve.models.step import SeqChunk
@@ -50,12 +50,14 @@ class Scheduler:
         self.channels: dict[str, trio.MemorySendChannel] = {}
         self.wake = trio.Event()
         self.recorder = StatsRecorder()
-        self.closing = False
         self.snapshot = self._freeze()
 
     # -- intake ------------------------------------------------------------
     async def intake(self, inbox: trio.MemoryReceiveChannel) -> None:
-        async with inbox:
+        """Answer the inbox until it closes or the engine stops. Submissions
+        still queued then are refused, so no caller waits for a reply that
+        will never come."""
+        try:
             async for message in inbox:
                 if isinstance(message, Submit):
                     self._submit(message)
@@ -64,8 +66,9 @@ class Scheduler:
                     if seq is not None:
                         seq.cancelled = True
                 self.wake.set()
-        self.closing = True
-        self.wake.set()
+        finally:
+            _refuse_queued(inbox)
+            inbox.close()
 
     def _submit(self, message: Submit) -> None:
         try:
@@ -84,8 +87,6 @@ class Scheduler:
     def _make_sequence(self, message: Submit) -> Sequence:
         if self.recorder.dead is not None:
             raise EngineDead(self.recorder.dead)
-        if self.closing:
-            raise EngineDead("the engine is shutting down")
         request = message.request
         if message.request_id in self.seqs:
             raise RequestError(f"request id {message.request_id!r} is already in use", field="request_id")
@@ -121,8 +122,6 @@ class Scheduler:
             rows = self.policy.plan()
             self._refresh()
             if not rows:
-                if self.closing:
-                    return
                 await self.wake.wait()
                 continue
             await self._step(rows)
@@ -135,7 +134,7 @@ class Scheduler:
             self._final(seq, "cancelled")
 
     async def _step(self, rows: list[PlannedRow]) -> None:
-        chunks = tuple(SeqChunk(r.tokens, r.start, self.policy.block_table(r.seq)) for r in rows)
+        chunks = tuple(SeqChunk(r.tokens, r.start, self.policy.block_table(r.seq), r.decode) for r in rows)
         sampling = [r for r in rows if r.samples]
         index = tuple(i for i, r in enumerate(rows) if r.samples)
         reply: StepReply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
@@ -156,7 +155,9 @@ class Scheduler:
             Row(r.seq.params, r.seq.seed, r.seq.draw_index, r.seq.history() if r.seq.params.penalized else ())
             for r in sampling
         ]
-        logits = reply.logits
+        # A checkpoint may pad its output head past the tokenizer's vocabulary;
+        # those ids name no token, so they are never candidates.
+        logits = reply.logits[:, : self.tokenizer.vocab_size]
         picked: SampleReply = await self._call(self.sampler, lambda ch: SampleRequest(logits, sample_rows, ch))
         if picked.error is not None:
             for row in sampling:
@@ -192,6 +193,7 @@ class Scheduler:
         self.recorder.dead = cause
         for seq in self.policy.fail_all():
             self._final(seq, "error", error=f"the engine is dead: {cause}")
+        self._refresh()
 
     # -- publishing ----------------------------------------------------------
     def _publish(self, seq: Sequence, event) -> None:
@@ -225,27 +227,53 @@ class Scheduler:
 
     def _freeze(self) -> EngineStats:
         pool = self.policy.pool.stats()
+        prefix = self.policy.cache.stats() if self.policy.cache is not None else None
         return self.recorder.snapshot(
             running=len(self.policy.running),
             waiting=len(self.policy.waiting),
-            used=pool.used_blocks,
+            used=pool.used_blocks - (prefix.idle_blocks if prefix else 0),
             total=pool.total_blocks,
             block_size=pool.block_size,
+            prefix=prefix,
         )
 
     def _refresh(self) -> None:
         self.snapshot = self._freeze()
 
 
-async def run_scheduler(scheduler: Scheduler, inbox: trio.MemoryReceiveChannel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run intake and the step loop until the inbox closes and the work in
-    flight is done. Cancelled (engine shutdown): stops at the next await;
-    consumers see their event channels close."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(scheduler.intake, inbox)
-        task_status.started()
+def _refuse_queued(inbox: trio.MemoryReceiveChannel) -> None:
+    while True:
         try:
-            await scheduler.steps()
-        finally:
-            for channel in scheduler.channels.values():
-                channel.close()
+            message = inbox.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return
+        if isinstance(message, Submit):
+            Scheduler._reply(message, EngineClosed("the engine is shut down"))
+            message.events.close()
+
+
+async def run_scheduler(scheduler: Scheduler, inbox: trio.MemoryReceiveChannel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run intake and the step loop until cancelled (engine shutdown), when
+    consumers see their event channels close. A bug that escapes the step
+    loop kills the engine like a fatal step: every request in flight gets an
+    error, statistics().dead says why, and intake goes on refusing new work."""
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler.intake, inbox)
+            task_status.started()
+            try:
+                await scheduler.steps()
+            except Exception as exc:  # noqa: BLE001 - reported through dead, never lost
+                cause = f"internal error in the scheduler: {type(exc).__name__}: {exc}"
+                try:
+                    scheduler._die(cause)
+                except Exception:  # noqa: BLE001 - state may be broken; refusing new work still matters
+                    scheduler.recorder.dead = cause
+                    scheduler._refresh()
+                await trio.sleep_forever()
+    finally:
+        # After both tasks are done: intake may accept a submission in the
+        # same tick the loop is cancelled, and its consumer must still see
+        # its stream end.
+        for channel in scheduler.channels.values():
+            channel.close()

@@ -9,6 +9,7 @@ event stream, which cancels the request within one engine step."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 
@@ -40,6 +41,7 @@ class ServerState:
         self.phase = "loading"  # loading -> ok -> draining; or dead
         self.created = openai.now()
         self.engine_scope = trio.CancelScope()
+        self.requests = None  # the WriteTimeout middleware, which counts HTTP requests in flight
 
     def ready(self) -> Engine:
         if self.phase == "draining":
@@ -67,7 +69,7 @@ async def _body(limit: int) -> object:
         raise HTTPError(413, f"the request body is larger than {limit} bytes", code="body_too_large") from None
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
         raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
 
 
@@ -76,10 +78,12 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
     so `hypercorn -k trio 'trioserve.http.app:create_app()'` is configurable."""
     settings = settings or settings_from_env(dict(os.environ))
     app = QuartTrio("trioserve")
-    app.asgi_app = WriteTimeout(app.asgi_app, settings.write_timeout_s)
+    guard = WriteTimeout(app.asgi_app, settings.write_timeout_s)
+    app.asgi_app = guard
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 1
     state = ServerState(settings)
+    state.requests = guard
     app.extensions["trioserve"] = state
 
     @app.before_serving
@@ -96,7 +100,7 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
             return None
         if settings.api_key and request.path.startswith("/v1"):
             given = request.headers.get("Authorization", "")
-            if given != f"Bearer {settings.api_key}":
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", kind="authentication_error", code="invalid_api_key"))
         return None
 

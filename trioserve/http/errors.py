@@ -8,7 +8,7 @@ import math
 
 from quart import Response
 
-from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
+from trioserve.errors import ChatTemplateError, EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
 
 
 class HTTPError(TrioserveError):
@@ -34,6 +34,8 @@ def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
         return 400, error_body(str(exc), "invalid_request_error", exc.field, "context_length_exceeded"), {}
     if isinstance(exc, RequestError):
         return 400, error_body(str(exc), "invalid_request_error", exc.field), {}
+    if isinstance(exc, ChatTemplateError):  # the model's template refuses this conversation
+        return 400, error_body(f"the chat template rejected the messages: {exc}", "invalid_request_error", "messages"), {}
     if isinstance(exc, QueueFull):
         retry = str(max(1, math.ceil(exc.retry_after)))
         return 429, error_body(str(exc), "rate_limit_error", None, "queue_full"), {"Retry-After": retry}

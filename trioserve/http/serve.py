@@ -17,22 +17,18 @@ from trioserve.http.app import create_app
 
 
 async def _drain_on_signal(app, settings: ServerSettings) -> None:
-    """hypercorn's shutdown trigger: returns once a signal came and the
-    engine has nothing left in flight (or the drain timeout passed)."""
+    """hypercorn's shutdown trigger: returns once a signal came and no HTTP
+    request is left in flight (or the drain timeout passed)."""
     state = app.extensions["trioserve"]
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             print(f"trioserve: {signal.Signals(signum).name} received, draining (up to {settings.drain_timeout_s:g} s)", file=sys.stderr, flush=True)
             break
     state.phase = "draining"
+    # Wait for every HTTP request in flight to have sent its last byte (new
+    # ones are refused with 503 and finish at once).
     with trio.move_on_after(settings.drain_timeout_s):
-        while state.engine is not None:
-            stats = state.engine.statistics()
-            if stats.running == 0 and stats.waiting == 0:
-                break
-            await trio.sleep(0.05)
-    # Let the last responses' final bytes go out before hypercorn closes.
-    await trio.sleep(0.2)
+        await state.requests.wait_idle()
 
 
 async def serve_app(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

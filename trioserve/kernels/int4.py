@@ -7,9 +7,11 @@ Q4_1 stores w = q * d + m, so scale = d and zero = m + 8d; Q4_0 stores
 w = (q - 8) * d, so zero = 0. The only loss is rounding d and m from f16 to
 bf16, the same order as rounding the dequantized weights to bf16.
 
-At small batches a decode step is bound by reading weights, and 4-bit weights
-are a quarter of bf16's bytes; from a few dozen rows the bf16 matmul wins
-(bench/README.md), so `Projection` keeps both and picks per call."""
+A decode step is bound by reading weights, and 4-bit weights are a quarter
+of bf16's bytes, so generated (decode) tokens use them; prompt tokens, many
+at a time, use the bf16 copy, which is faster for many rows. The choice
+depends only on what a token is, never on what else shares its step, so a
+request's arithmetic is the same however it is batched."""
 
 from __future__ import annotations
 
@@ -19,8 +21,6 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
-# Row counts up to this use the int4 kernel; more rows use bf16.
-INT4_MAX_ROWS = 16
 
 
 @attrs.frozen
@@ -67,7 +67,7 @@ def concat_rows(parts: list[Int4Parts]) -> Int4Parts:
 
 class Projection:
     """y = x @ W.T, with W held in the model dtype and, when given, also as
-    packed int4 used for calls with at most INT4_MAX_ROWS rows."""
+    packed int4 used for the leading ``int4_rows`` rows of a call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Parts | None = None):
         self.weight = weight
@@ -78,8 +78,13 @@ class Projection:
             # [K/32, N, 2] as the kernel wants it.
             self.scales_zeros = torch.stack([int4.scale, int4.zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= INT4_MAX_ROWS:
-            y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, int4_rows: int = 0) -> torch.Tensor:
+        if self.packed is None or int4_rows == 0:
+            return F.linear(x, self.weight, self.bias)
+        if int4_rows >= x.shape[0]:
+            return self._int4(x)
+        return torch.cat([self._int4(x[:int4_rows]), F.linear(x[int4_rows:], self.weight, self.bias)])
+
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)
+        return y if self.bias is None else y + self.bias

@@ -75,7 +75,7 @@ def generate(
         emit(detok.push(token))
         if len(out) == max_tokens:
             break
-        step = build_step([SeqChunk([token], len(prompt_ids) + len(out) - 1, table)], block_size)
+        step = build_step([SeqChunk([token], len(prompt_ids) + len(out) - 1, table, decode=True)], block_size)
         logits = model.forward(step, cache)
     emit(detok.flush())
     pool.free_sequence("cli")

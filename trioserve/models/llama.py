@@ -152,9 +152,10 @@ class LlamaModel:
         # rounding (±128) swamps the per-layer updates and derails greedy
         # decoding. Norm outputs are cast back to the weights' dtype for matmuls.
         h = F.embedding(batch.token_ids, self.embed).float()
+        d = batch.num_decode  # leading decode tokens: 4-bit weights where the model has them
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.attn_norm, c.rms_eps).to(self.dtype)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, d)
             q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
@@ -162,9 +163,9 @@ class LlamaModel:
             k = ops.apply_rope(k, cos, sin)
             ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k, v.contiguous())
             attn = ops.paged_attention(q, cache.k[i], cache.v[i], batch.block_tables, batch.pad_index, batch.mask, self.scale)
-            h = h + layer.o(attn.reshape(-1, n_q))
+            h = h + layer.o(attn.reshape(-1, n_q), d)
             x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps).to(self.dtype)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(x, d).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up, d)
         last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
         return F.linear(last, self.lm_head).float()

@@ -17,11 +17,16 @@ class SeqChunk:
     token_ids: the tokens to feed (a prefill chunk, or one decode token).
     start: how many tokens of this sequence are already in the KV cache; the
         new tokens take positions start, start + 1, ...
-    block_table: KV block ids covering positions [0, start + len(token_ids))."""
+    block_table: KV block ids covering positions [0, start + len(token_ids)).
+    decode: the token is a generated one (not part of the prompt). Decode
+        chunks come first in a step and are one token each; models with
+        4-bit weights multiply them with those, prompt tokens with bf16, so
+        a token's arithmetic never depends on what shares its step."""
 
     token_ids: Sequence[int]
     start: int
     block_table: Sequence[int]
+    decode: bool = False
 
 
 @attrs.frozen
@@ -33,6 +38,7 @@ class StepBatch:
     pad_index: torch.Tensor  # [T] long, place of each token in the padded [S * max_q] layout
     mask: torch.Tensor  # [S, max_q, MB * block_size] bool
     last_index: torch.Tensor  # [S] long, each sequence's last token in the packed order
+    num_decode: int = 0  # the first num_decode tokens are decode tokens
 
     @property
     def num_seqs(self) -> int:
@@ -52,8 +58,15 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     pad: list[int] = []
     last: list[int] = []
     tables = []
+    num_decode = 0
     for s, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
+        if chunk.decode:
+            if num_decode != s:
+                raise ValueError(f"sequence {s}: decode chunks must come before prefill chunks")
+            if n != 1:
+                raise ValueError(f"sequence {s}: a decode chunk has exactly one token, got {n}")
+            num_decode += 1
         if n == 0:
             raise ValueError(f"sequence {s} has no new tokens")
         if chunk.start < 0:
@@ -84,4 +97,5 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         pad_index=torch.tensor(pad, dtype=torch.long, device=device),
         mask=mask.to(device),
         last_index=torch.tensor(last, dtype=torch.long, device=device),
+        num_decode=num_decode,
     )

@@ -6,18 +6,24 @@ Rules:
   reserves blocks for prompt + max_tokens when admitted, so nothing running
   is ever starved of blocks or preempted. If the oldest waiting sequence does
   not fit, younger ones wait behind it (no overtaking, no starvation).
+- With a prefix cache, admission first shares the cached blocks of the
+  prompt's longest known prefix (no copy, no prefill for them), and a
+  finished sequence leaves its full blocks in the cache.
 - A step takes every running sequence's decode token first, then prefill
   chunks in admission order until the per-step token budget is spent, so a
   long prompt delays decoding rows by at most one chunk per step."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 
 import attrs
 
 from trioserve.errors import QueueFull, RequestTooLarge
 from trioserve.state.kv_pool import BlockPool, blocks_needed
+from trioserve.state.prefix_cache import PrefixCache
 from trioserve.state.sequence import Sequence, Status
 
 
@@ -26,6 +32,11 @@ class PlannedRow:
     seq: Sequence
     tokens: list[int]
     start: int  # position of tokens[0]
+
+    @property
+    def decode(self) -> bool:
+        """A generated token (the prompt is all in the cache)."""
+        return self.start >= len(self.seq.prompt_ids)
 
     @property
     def samples(self) -> bool:
@@ -43,8 +54,12 @@ class SchedulingPolicy:
         prefill_budget: int,
         max_queue: int,
         retry_after: float = 1.0,
+        prefix_cache: PrefixCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.cache = prefix_cache
+        self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.prefill_budget = prefill_budget
@@ -96,15 +111,33 @@ class SchedulingPolicy:
         admitted = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.pool.can_grow(seq.id, seq.max_total):
+            if not self._reserve(seq, now):
                 break
             self.waiting.popleft()
-            self.pool.grow(seq.id, seq.max_total)
             seq.status = Status.RUNNING
             seq.admitted_at = now
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _reserve(self, seq: Sequence, now: float) -> bool:
+        """Give ``seq`` its blocks for prompt + max_tokens: shared cached
+        prefix blocks first, then fresh ones, evicting idle cached blocks if
+        that makes room. False (and nothing held) when it does not fit yet."""
+        shared = self.cache.match(seq.prompt_ids, now) if self.cache else []
+        if shared:
+            self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them
+        missing = blocks_needed(seq.max_total, self.pool.block_size) - len(shared)
+        if self.pool.num_free < missing and self.cache is not None:
+            self.cache.evict(missing - self.pool.num_free)
+        if self.pool.num_free < missing:
+            self.pool.free_sequence(seq.id)
+            return False
+        self.pool.grow(seq.id, seq.max_total)
+        seq.num_cached = len(shared) * self.pool.block_size
+        if self.cache is not None:
+            self.cache.record(len(seq.prompt_ids), seq.num_cached)
+        return True
 
     def plan(self) -> list[PlannedRow]:
         """The next step's rows: decode tokens, then prefill chunks."""
@@ -131,9 +164,12 @@ class SchedulingPolicy:
         for row in rows:
             row.seq.num_cached = row.start + len(row.tokens)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a running sequence out and return its blocks."""
+    def finish(self, seq: Sequence, reason: str, *, remember: bool = True) -> None:
+        """Take a running sequence out and return its blocks; its full blocks
+        of computed tokens stay in the prefix cache when ``remember``."""
         self.running.remove(seq)
+        if remember and self.cache is not None:
+            self.cache.register(seq.history()[: seq.num_cached], self.pool.table(seq.id), self.clock())
         self.pool.free_sequence(seq.id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -142,7 +178,7 @@ class SchedulingPolicy:
         """Every sequence, waiting or running, taken out (engine death)."""
         everyone = list(self.waiting) + list(self.running)
         for seq in list(self.running):
-            self.finish(seq, "error")
+            self.finish(seq, "error", remember=False)  # the cache contents are suspect now
         self.waiting.clear()
         for seq in everyone:
             seq.status = Status.FINISHED

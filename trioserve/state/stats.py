@@ -8,6 +8,8 @@ from collections import Counter, deque
 
 import attrs
 
+from trioserve.state.prefix_cache import PrefixStats
+
 WINDOW = 2048
 # Histogram bucket upper bounds, seconds (Prometheus adds +Inf).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -27,6 +29,9 @@ class Latency:
 
 @attrs.frozen
 class EngineStats:
+    """kv_blocks_used counts blocks held by requests; blocks only the prefix
+    cache holds are reported in ``prefix.idle_blocks``."""
+
     running: int
     waiting: int
     kv_blocks_used: int
@@ -42,6 +47,7 @@ class EngineStats:
     end_to_end: Latency
     dead: str | None = None
     last_batch: int = 0  # rows of the most recent step
+    prefix: PrefixStats | None = None  # None when the prefix cache is off
 
     def finished_count(self, reason: str) -> int:
         return dict(self.finished).get(reason, 0)
@@ -84,7 +90,9 @@ class StatsRecorder:
         self.end_to_end = _Series()
         self.dead: str | None = None
 
-    def snapshot(self, *, running: int, waiting: int, used: int, total: int, block_size: int) -> EngineStats:
+    def snapshot(
+        self, *, running: int, waiting: int, used: int, total: int, block_size: int, prefix: PrefixStats | None = None
+    ) -> EngineStats:
         return EngineStats(
             running=running,
             waiting=waiting,
@@ -101,4 +109,5 @@ class StatsRecorder:
             end_to_end=self.end_to_end.freeze(),
             dead=self.dead,
             last_batch=self.last_batch,
+            prefix=prefix,
         )

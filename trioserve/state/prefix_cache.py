@@ -1,0 +1,158 @@
+"""Automatic prefix caching: full KV blocks remembered by their content, so a
+request whose prompt starts like an earlier one skips prefilling that part.
+
+A block's key is SHA-256 over (parent block's key, the block's token ids), so
+a key names the whole prefix up to and including that block. The cache holds
+one pool reference on each block it remembers; requests that reuse a block
+add their own, so nothing is copied. Blocks only the cache holds are idle and
+are evicted least recently used, under a count limit and an idle-time limit,
+or when admission needs room. Pure Python: no torch, no trio."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import attrs
+
+from trioserve.state.kv_pool import BlockPool
+
+ROOT = b"trioserve-prefix-root"
+
+
+@attrs.frozen
+class PrefixStats:
+    queries: int
+    query_tokens: int  # prompt tokens looked up
+    hit_tokens: int  # of those, found in the cache
+    cached_blocks: int  # blocks the cache remembers now
+    idle_blocks: int  # of those, held by no request
+    registered_tokens: int  # tokens ever added to the cache
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@attrs.define
+class _Entry:
+    block: int
+    tokens: tuple[int, ...]
+    last_used: float
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, *, max_blocks: int | None = None, idle_s: float | None = None) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_blocks = max_blocks
+        self.idle_s = idle_s
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._queries = self._query_tokens = self._hit_tokens = 0
+        self._registered = self._evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, tokens: Sequence[int], now: float) -> list[int]:
+        """Blocks holding the longest cached prefix of ``tokens`` in whole
+        blocks, leaving at least the last token uncached: a request always
+        computes its own last prompt token, so its first new token is sampled
+        from its own logits. Marks the hits as used now; counts nothing
+        (see `record`), since a request may be matched again while it waits."""
+        usable = (len(tokens) - 1) // self.block_size
+        blocks: list[int] = []
+        parent = ROOT
+        for i in range(usable):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            key = block_key(parent, chunk)
+            entry = self._entries.get(key)
+            if entry is None or entry.tokens != chunk:
+                break
+            entry.last_used = now
+            self._entries.move_to_end(key)
+            blocks.append(entry.block)
+            parent = key
+        return blocks
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted request's lookup."""
+        self._queries += 1
+        self._query_tokens += query_tokens
+        self._hit_tokens += hit_tokens
+
+    def register(self, tokens: Sequence[int], table: Sequence[int], now: float) -> int:
+        """Remember the full blocks of ``tokens`` (whose KV is in ``table``).
+        Blocks already known keep their existing copy. Returns how many
+        blocks were added."""
+        added = 0
+        parent = ROOT
+        for i in range(len(tokens) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            key = block_key(parent, chunk)
+            entry = self._entries.get(key)
+            if entry is None:
+                self.pool.share([table[i]])
+                self._entries[key] = _Entry(table[i], chunk, now)
+                self._registered += self.block_size
+                added += 1
+            else:
+                entry.last_used = now
+                self._entries.move_to_end(key)
+            parent = key
+        self.trim(now)
+        return added
+
+    def idle_blocks(self) -> int:
+        return sum(1 for e in self._entries.values() if self.pool.refcount(e.block) == 1)
+
+    def evict(self, wanted: int) -> int:
+        """Free up to ``wanted`` idle blocks, least recently used first."""
+        freed = 0
+        for key in list(self._entries):
+            if freed >= wanted:
+                break
+            if self._drop_if_idle(key):
+                freed += 1
+        return freed
+
+    def trim(self, now: float) -> None:
+        """Apply the idle-time and count limits to idle blocks."""
+        for key in list(self._entries):
+            entry = self._entries[key]
+            too_many = self.max_blocks is not None and len(self._entries) > self.max_blocks
+            too_old = self.idle_s is not None and now - entry.last_used > self.idle_s
+            if not (too_many or too_old):
+                break  # entries are in last-use order: the rest are newer
+            self._drop_if_idle(key)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop_if_idle(key)
+
+    def _drop_if_idle(self, key: bytes) -> bool:
+        entry = self._entries[key]
+        if self.pool.refcount(entry.block) != 1:
+            return False
+        del self._entries[key]
+        self.pool.release([entry.block])
+        self._evictions += 1
+        return True
+
+    def stats(self) -> PrefixStats:
+        return PrefixStats(
+            queries=self._queries,
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            cached_blocks=len(self._entries),
+            idle_blocks=self.idle_blocks(),
+            registered_tokens=self._registered,
+            evictions=self._evictions,
+        )
