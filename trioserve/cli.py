@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from trioserve.config import parse_byte_size
-from trioserve.errors import ChatTemplateError, CheckpointError
+from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
-    except (CheckpointError, ChatTemplateError, ValueError) as exc:
+    except (CheckpointError, ChatTemplateError, TrioserveError, ValueError) as exc:
         print(f"trioserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -27,6 +27,7 @@ from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
 from trioserve.http.write_timeout import WriteTimeout
 from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.checkpoint import Checkpoint
 from trioserve.progress import ProgressBar
 
 
@@ -42,6 +43,7 @@ class ServerState:
         self.created = openai.now()
         self.engine_scope = trio.CancelScope()
         self.requests = None  # the WriteTimeout middleware, which counts HTTP requests in flight
+        self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
 
     def ready(self) -> Engine:
         if self.phase == "draining":
@@ -53,7 +55,8 @@ class ServerState:
 
 async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     with state.engine_scope:
-        async with open_engine(state.settings.engine, progress=ProgressBar("Loading weights")) as engine:
+        progress = None if state.checkpoint is not None else ProgressBar("Loading weights")
+        async with open_engine(state.settings.engine, checkpoint=state.checkpoint, progress=progress) as engine:
             tok = engine.tokenizer
             state.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
             state.engine = engine
@@ -73,9 +76,10 @@ async def _body(limit: int) -> object:
         raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
 
 
-def create_app(settings: ServerSettings | None = None) -> QuartTrio:
+def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint | None = None) -> QuartTrio:
     """A new app. Without ``settings``, they come from TRIOSERVE_* variables,
-    so `hypercorn -k trio 'trioserve.http.app:create_app()'` is configurable."""
+    so `hypercorn -k trio 'trioserve.http.app:create_app()'` is configurable.
+    A ``checkpoint`` already loaded is served instead of loading one."""
     settings = settings or settings_from_env(dict(os.environ))
     app = QuartTrio("trioserve")
     guard = WriteTimeout(app.asgi_app, settings.write_timeout_s)
@@ -83,6 +87,7 @@ def create_app(settings: ServerSettings | None = None) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 1
     state = ServerState(settings)
+    state.checkpoint = checkpoint
     state.requests = guard
     app.extensions["trioserve"] = state
 

@@ -11,9 +11,14 @@ import sys
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
+from hypercorn.utils import LifespanFailureError
 
 from trioserve.config import ServerSettings
+from trioserve.errors import TrioserveError
+from trioserve.engine import resolve_dtype
 from trioserve.http.app import create_app
+from trioserve.models.checkpoint import load_checkpoint
+from trioserve.progress import ProgressBar
 
 
 async def _drain_on_signal(app, settings: ServerSettings) -> None:
@@ -32,7 +37,14 @@ async def _drain_on_signal(app, settings: ServerSettings) -> None:
 
 
 async def serve_app(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    app = create_app(settings)
+    """Load the checkpoint (with progress), then serve it. A checkpoint that
+    cannot be loaded raises CheckpointError before anything binds."""
+    progress = ProgressBar("Loading weights")
+    checkpoint = await trio.to_thread.run_sync(
+        lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype), progress=progress)
+    )
+    progress.finish(f" ({checkpoint.path})")
+    app = create_app(settings, checkpoint=checkpoint)
     config = HypercornConfig()
     config.bind = [f"{settings.host}:{settings.port}"]
     config.loglevel = settings.log_level.upper()
@@ -41,6 +53,32 @@ async def serve_app(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IG
     await serve(app, config, shutdown_trigger=lambda: _drain_on_signal(app, settings), task_status=task_status)
 
 
+class StartupFailed(TrioserveError):
+    """The app could not start (e.g. the checkpoint is missing or broken)."""
+
+
 def run_server(settings: ServerSettings) -> int:
-    trio.run(serve_app, settings)
+    """Serve until drained. A failure while starting (loading the model)
+    becomes one StartupFailed with the cause's message, not a traceback."""
+    try:
+        trio.run(serve_app, settings)
+    except BaseExceptionGroup as group:
+        failure = _first(group, LifespanFailureError)
+        if failure is None:
+            raise
+        # hypercorn wraps the app's exception text: Lifespan failure in startup. '<message>'
+        text = str(failure)
+        inner = text[text.find("'") + 1 : -1] if text.endswith("'") and "'" in text else text
+        raise StartupFailed(inner) from None
     return 0
+
+
+def _first(group: BaseExceptionGroup, kind: type) -> BaseException | None:
+    for exc in group.exceptions:
+        if isinstance(exc, kind):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first(exc, kind)
+            if found is not None:
+                return found
+    return None
