@@ -53,3 +53,20 @@ def test_bad_env_values_name_the_variable(env, fragment):
     with pytest.raises(ValueError) as info:
         settings_from_env(env)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf")])
+def test_timeouts_must_be_positive_finite_seconds(value):
+    from trioserve.config import ServerSettings
+
+    with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        ServerSettings(drain_timeout_s=value)
+    with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        ServerSettings(write_timeout_s=value)
+
+
+def test_prefix_cache_flag_from_env():
+    assert settings_from_env({"TRIOSERVE_PREFIX_CACHE": "off"}).engine.prefix_cache is False
+    assert settings_from_env({}).engine.prefix_cache is True
+    with pytest.raises(ValueError, match="TRIOSERVE_PREFIX_CACHE: must be true or false"):
+        settings_from_env({"TRIOSERVE_PREFIX_CACHE": "maybe"})

@@ -967,3 +967,51 @@ async def test_submissions_queued_at_shutdown_are_refused_not_stranded(ckpt, che
                     await trio.sleep(0)
             # the engine is gone; every caller must come back on its own
     assert len(outcomes) == 8 and set(outcomes) <= {"closed", "finished"}
+
+
+# -- prefix cache ---------------------------------------------------------------
+
+
+async def test_shared_system_prompt_is_prefilled_once_and_outputs_match_cache_off(ckpt):
+    """Two requests sharing a 200-token system prompt: the second prefills
+    only its own suffix (the prefill counter moves by the suffix and the
+    lookup reports the hit), and every output equals the cache-off output."""
+    rng = random.Random(11)
+    vocab = ckpt.tokenizer.vocab_size
+    system = random_prompt(rng, 200, vocab)
+    first = GenerateRequest(system + random_prompt(rng, 9, vocab), SamplingParams(max_tokens=12, temperature=0.0, seed=1))
+    second = GenerateRequest(system + random_prompt(rng, 14, vocab), SamplingParams(max_tokens=12, temperature=0.7, seed=5))
+
+    async def run(prefix_cache: bool):
+        async with open_engine(config(prefix_cache=prefix_cache, prefill_budget=64), checkpoint=ckpt) as engine:
+            a = await collect(engine, first)
+            before = engine.statistics()
+            b = await collect(engine, second)
+            after = engine.statistics()
+        return a, b, before, after
+
+    with trio.fail_after(30):
+        a_on, b_on, before, after = await run(True)
+        a_off, b_off, _, after_off = await run(False)
+    assert a_on.same_as(a_off) and b_on.same_as(b_off)
+    shared = (200 // BS) * BS  # whole blocks of the system prompt
+    assert after.prompt_tokens - before.prompt_tokens == len(second.prompt_ids) - shared
+    assert after.prefix.hit_tokens - before.prefix.hit_tokens == shared
+    assert after_off.prefix is None
+    # Blocks only the cache holds are not "used" by requests.
+    assert after.kv_blocks_used == 0 and after.prefix.idle_blocks > 0
+
+
+async def test_cached_blocks_yield_to_new_requests_when_the_pool_is_full(ckpt):
+    """A pool just big enough for one request: earlier requests' cached
+    blocks are evicted so later, unrelated requests still run."""
+    rng = random.Random(12)
+    vocab = ckpt.tokenizer.vocab_size
+    requests = [GenerateRequest(random_prompt(rng, 30, vocab), SamplingParams(max_tokens=10, temperature=0.0)) for _ in range(4)]
+    need = reserve(requests[0])
+    with trio.fail_after(30):
+        async with open_engine(config(blocks=need, max_num_seqs=1), checkpoint=ckpt) as engine:
+            outcomes = [await collect(engine, r) for r in requests]
+            stats = engine.statistics()
+    assert all(o.final.finish_reason == "length" for o in outcomes)
+    assert stats.prefix.evictions > 0 and stats.kv_blocks_used == 0

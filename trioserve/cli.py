@@ -40,6 +40,7 @@ def _number_in(kind: type, low: float, high: float, what: str):
 
 
 _temperature = _number_in(float, 0.0, 2.0, "a number between 0 and 2")
+_positive_float = _number_in(float, 1e-3, 1e9, "a number of seconds")
 _port = _number_in(int, 0, 65535, "a port number")
 
 
@@ -68,10 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB)")
     srv.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 429 (default 256)")
     srv.add_argument("--prefill-budget", type=_positive_int, default=512, help="tokens per engine step (default 512)")
+    srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV blocks between requests with the same prompt prefix")
+    srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
+    srv.add_argument("--prefix-cache-idle", type=_positive_float, default=None, help="seconds an unused cached block is kept (default: until room is needed)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
-    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
-    srv.add_argument("--write-timeout", type=float, default=30.0, help="seconds a response write may stall before the request is cancelled (default 30)")
+    srv.add_argument("--drain-timeout", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
+    srv.add_argument("--write-timeout", type=_positive_float, default=30.0, help="seconds a response write may stall before the request is cancelled (default 30)")
     srv.add_argument("--default-max-tokens", type=_positive_int, default=2048, help="max_tokens for requests that send none (default 2048)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -156,6 +160,9 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         max_queue=args.max_queue,
         prefill_budget=args.prefill_budget,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_cache_max_blocks=args.prefix_cache_max_blocks,
+        prefix_cache_idle_s=args.prefix_cache_idle,
     )
     settings = ServerSettings(
         engine=engine,

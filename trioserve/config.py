@@ -3,6 +3,8 @@ later component can trust the numbers."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 MIB = 1 << 20
@@ -11,6 +13,11 @@ MIB = 1 << 20
 def _positive(instance, attribute, value) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+def _seconds(instance, attribute, value) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
 
 @attrs.frozen
@@ -70,8 +77,8 @@ class ServerSettings:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
-    drain_timeout_s: float = 30.0
-    write_timeout_s: float = 30.0
+    drain_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    write_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     log_level: str = "info"
 

@@ -267,4 +267,15 @@ def _stats_body(engine: Engine) -> dict:
         "inter_token": lat(s.inter_token),
         "end_to_end": lat(s.end_to_end),
         "dead": s.dead,
+        "prefix_cache": None
+        if s.prefix is None
+        else {
+            "query_tokens": s.prefix.query_tokens,
+            "hit_tokens": s.prefix.hit_tokens,
+            "hit_rate": s.prefix.hit_rate,
+            "cached_blocks": s.prefix.cached_blocks,
+            "idle_blocks": s.prefix.idle_blocks,
+            "registered_tokens": s.prefix.registered_tokens,
+            "evictions": s.prefix.evictions,
+        },
     }

@@ -48,6 +48,13 @@ def render(stats: EngineStats, model: str) -> str:
     _single(lines, "gauge", "trioserve_kv_cache_usage_ratio", "Fraction of KV blocks in use.", usage)
     _single(lines, "gauge", "trioserve_kv_cache_blocks_used", "KV blocks in use.", stats.kv_blocks_used)
     _single(lines, "gauge", "trioserve_kv_cache_blocks_total", "KV blocks in the pool.", stats.kv_blocks_total)
+    if stats.prefix is not None:
+        p = stats.prefix
+        _single(lines, "counter", "trioserve_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", p.query_tokens)
+        _single(lines, "counter", "trioserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", p.hit_tokens)
+        _single(lines, "counter", "trioserve_prefix_cache_registered_tokens", "Tokens added to the prefix cache.", p.registered_tokens)
+        _single(lines, "counter", "trioserve_prefix_cache_evictions", "Cached blocks evicted.", p.evictions)
+        _single(lines, "gauge", "trioserve_prefix_cache_blocks", "Blocks the prefix cache holds.", p.cached_blocks)
     lines.append("# HELP trioserve_model_info The model this server serves.")
     lines.append("# TYPE trioserve_model_info gauge")
     lines.append(f'trioserve_model_info{{model="{model}"}} 1')
