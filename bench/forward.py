@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from trioserve.cli import resolve_dtype
+from trioserve.engine import resolve_dtype
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step

@@ -8,10 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import parse_byte_size
+from trioserve.config import DTYPE_NAMES, parse_byte_size
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _positive_int(text: str) -> int:
@@ -54,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=_positive_int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy (default); up to 2")
     gen.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    gen.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype; auto = bfloat16")
+    gen.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -62,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     srv.add_argument("--model", default="smollm2", help="'smollm2' (built in), a .gguf file, or a Hugging Face directory")
     srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value)")
-    srv.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype; auto = bfloat16")
+    srv.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16")
     srv.add_argument("--device", default="cpu", help="torch device (default cpu)")
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
@@ -108,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from trioserve.engine import resolve_dtype
     from trioserve.models.chat_template import ChatTemplate
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.models.generate import generate
@@ -116,7 +116,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype)  # auto = bfloat16: ~2x faster than float32 here (bench/README.md)
     progress = ProgressBar("Loading weights")
     checkpoint = load_checkpoint(args.model, dtype=dtype, progress=progress)
     model = LlamaModel.from_checkpoint(checkpoint)
@@ -177,14 +177,6 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     return run_server(settings)
-
-
-def resolve_dtype(name: str):
-    """The torch dtype for a --dtype value. auto = bfloat16: on this CPU it
-    runs a decode step ~2x faster than float32 (bench/README.md)."""
-    import torch
-
-    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import math
 import attrs
 
 MIB = 1 << 20
+# --dtype values; "auto" is bfloat16 (trioserve.engine.DTYPES maps them to torch).
+DTYPE_NAMES = ("auto", "bfloat16", "float32", "float16")
 
 
 def _positive(instance, attribute, value) -> None:

@@ -21,7 +21,7 @@ from trioserve.actors.messages import Cancel, Event, FinalEvent, GenerateRequest
 from trioserve.actors.sampler import run_sampler
 from trioserve.actors.scheduler import Scheduler, run_scheduler
 from trioserve.actors.worker import run_worker
-from trioserve.config import EngineConfig
+from trioserve.config import DTYPE_NAMES, EngineConfig
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.models.checkpoint import Checkpoint, Progress, load_checkpoint
 from trioserve.models.llama import LlamaModel
@@ -33,6 +33,7 @@ from trioserve.state.scheduling import SchedulingPolicy
 from trioserve.state.stats import EngineStats
 
 DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 class Engine:

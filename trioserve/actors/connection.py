@@ -117,11 +117,16 @@ class Connection:
                     completion_tokens += done_tokens
                     yield chunk
         for index in range(1, self.n):
-            async with aclosing(self.engine.generate(self._request(index))) as more:
-                async for event in more:
-                    for chunk, done_tokens in self._render(index, event):
-                        completion_tokens += done_tokens
-                        yield chunk
+            try:
+                async with aclosing(self.engine.generate(self._request(index))) as more:
+                    async for event in more:
+                        for chunk, done_tokens in self._render(index, event):
+                            completion_tokens += done_tokens
+                            yield chunk
+            except Exception as exc:  # noqa: BLE001 - refused or cut off after the stream began
+                _, body, _ = to_response(exc)
+                yield openai.sse(body)
+                break
         if include_usage:
             kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
             yield openai.sse(openai.usage_chunk(kind, self.id, self.created, self.model, len(self.prompt_ids), completion_tokens))

@@ -118,7 +118,9 @@ class Scheduler:
         while True:
             self.wake = trio.Event()
             self._drop_cancelled()
-            self.policy.admit(trio.current_time())
+            now = trio.current_time()
+            for seq in self.policy.admit(now):
+                self.recorder.queue_wait.add(now - seq.arrival)
             rows = self.policy.plan()
             self._refresh()
             if not rows:
@@ -204,8 +206,6 @@ class Scheduler:
 
     def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None) -> None:
         now = trio.current_time()
-        if seq.admitted_at is not None:
-            self.recorder.queue_wait.add(seq.admitted_at - seq.arrival)
         self.recorder.end_to_end.add(now - seq.arrival)
         self.recorder.finished[reason] += 1
         timings = Timings(

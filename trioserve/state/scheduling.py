@@ -108,6 +108,8 @@ class SchedulingPolicy:
         return dropped
 
     def admit(self, now: float) -> list[Sequence]:
+        if self.cache is not None:
+            self.cache.trim(now)  # idle and count limits apply even when nothing finishes
         admitted = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
