@@ -69,6 +69,7 @@ class PrefixCache:
         (see `record`), since a request may be matched again while it waits."""
         usable = (len(tokens) - 1) // self.block_size
         blocks: list[int] = []
+        keys: list[bytes] = []
         parent = ROOT
         for i in range(usable):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -76,11 +77,18 @@ class PrefixCache:
             entry = self._entries.get(key)
             if entry is None or entry.tokens != chunk:
                 break
-            entry.last_used = now
-            self._entries.move_to_end(key)
             blocks.append(entry.block)
+            keys.append(key)
             parent = key
+        self._touch(keys, now)
         return blocks
+
+    def _touch(self, chain: list[bytes], now: float) -> None:
+        """Mark a chain used, its first block most recent: eviction then takes
+        a chain's tail before its head, so what stays is still reachable."""
+        for key in reversed(chain):
+            self._entries[key].last_used = now
+            self._entries.move_to_end(key)
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         """Count one admitted request's lookup."""
@@ -91,23 +99,22 @@ class PrefixCache:
     def register(self, tokens: Sequence[int], table: Sequence[int], now: float) -> int:
         """Remember the full blocks of ``tokens`` (whose KV is in ``table``).
         Blocks already known keep their existing copy. Returns how many
-        blocks were added."""
+        blocks were added. Limits are applied by `trim`, once the caller
+        has let go of the blocks."""
         added = 0
+        keys: list[bytes] = []
         parent = ROOT
         for i in range(len(tokens) // self.block_size):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = block_key(parent, chunk)
-            entry = self._entries.get(key)
-            if entry is None:
+            if key not in self._entries:
                 self.pool.share([table[i]])
                 self._entries[key] = _Entry(table[i], chunk, now)
                 self._registered += self.block_size
                 added += 1
-            else:
-                entry.last_used = now
-                self._entries.move_to_end(key)
+            keys.append(key)
             parent = key
-        self.trim(now)
+        self._touch(keys, now)
         return added
 
     def idle_blocks(self) -> int:

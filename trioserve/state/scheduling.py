@@ -130,8 +130,9 @@ class SchedulingPolicy:
         if shared:
             self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them
         missing = blocks_needed(seq.max_total, self.pool.block_size) - len(shared)
-        if self.pool.num_free < missing and self.cache is not None:
-            self.cache.evict(missing - self.pool.num_free)
+        short = missing - self.pool.num_free
+        if short > 0 and self.cache is not None and self.cache.idle_blocks() >= short:
+            self.cache.evict(short)  # only when that is enough: never empty the cache for nothing
         if self.pool.num_free < missing:
             self.pool.free_sequence(seq.id)
             return False
@@ -173,6 +174,8 @@ class SchedulingPolicy:
         if remember and self.cache is not None:
             self.cache.register(seq.history()[: seq.num_cached], self.pool.table(seq.id), self.clock())
         self.pool.free_sequence(seq.id)
+        if self.cache is not None:
+            self.cache.trim(self.clock())  # its blocks are idle now, so the limits can take them
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
