@@ -608,3 +608,13 @@ async def test_prometheus_metrics_parse_and_move(server):
     assert after[itl] - before[itl] == 4
     assert after[("trioserve_requests_running", ())] == 0
     assert after[("trioserve_model_info", (("model", MODEL_NAME),))] == 1
+
+
+async def test_n_larger_than_the_queue_is_refused_by_name(nursery, tiny_gguf):
+    url = await start_server(nursery, make_settings(tiny_gguf, max_queue=2))
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            response = await client.post("/v1/chat/completions", json={"messages": HI, "n": 3, "max_tokens": 2})
+            assert_error(response, 400, fragment="n (3) is more than this server queues at once (2", param="n")
+            ok = await client.post("/v1/chat/completions", json={"messages": HI, "n": 2, "max_tokens": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

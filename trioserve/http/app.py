@@ -167,6 +167,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             engine = state.ready()
             req = parse_chat_request(await _body(settings.max_body_bytes))
             _check_model(state, req.model)
+            _check_n(engine, req.n)
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             prompt_ids = engine.tokenizer.encode(state.template.render(messages, add_generation_prompt=True))
             params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
@@ -184,6 +185,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             engine = state.ready()
             req = parse_completion_request(await _body(settings.max_body_bytes))
             _check_model(state, req.model)
+            _check_n(engine, req.n)
             prompts = _completion_prompts(engine, req.prompt)
             if len(prompts) != 1:
                 raise HTTPError(400, "only one prompt per request is supported; send a string or one list of token ids", param="prompt")
@@ -224,6 +226,14 @@ def _default_max_tokens(engine: Engine, prompt_ids: list[int], field: str, cap: 
     stats = engine.statistics()
     pool_room = stats.kv_blocks_total * stats.block_size - len(prompt_ids)
     return max(1, min(room, cap, pool_room))
+
+
+def _check_n(engine: Engine, n: int) -> None:
+    """n choices are n requests; more than the queue holds could never all
+    be accepted, so say so instead of answering 429 forever."""
+    limit = engine.config.max_queue
+    if n > limit:
+        raise RequestError(f"n ({n}) is more than this server queues at once ({limit}, --max-queue)", field="n")
 
 
 def _completion_prompts(engine: Engine, prompt) -> list[tuple[str, list[int]]]:
