@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 
 from trioserve.errors import CheckpointError
+from trioserve.models.gguf_header import check_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -28,6 +29,7 @@ def open_reader(path: str | Path) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise CheckpointError(path, f"not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    check_header(path)
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as exc:
