@@ -50,40 +50,69 @@ class Engine:
         """The latest frozen snapshot the scheduler published."""
         return self._scheduler.snapshot
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Submit ``request`` and yield its events, ending with one FinalEvent.
+    @contextlib.asynccontextmanager
+    async def open_generation(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[Event]]:
+        """Submit ``request``; once the scheduler accepted it, give its
+        events (ending with one FinalEvent) as an async iterator.
 
-        Raises at submission: RequestError / RequestTooLarge (bad or
-        impossible request), QueueFull, EngineDead, EngineClosed. Leaving the
-        loop early, or being cancelled while waiting, cancels the request; the
+        Raises on entry: RequestError / RequestTooLarge (bad or impossible
+        request), QueueFull, EngineDead, EngineClosed. Leaving the block
+        before the FinalEvent, or being cancelled, cancels the request; the
         scheduler frees its blocks within one step."""
         check_request(request, self.tokenizer.vocab_size)
         request_id = request.request_id or f"req-{secrets.token_hex(8)}"
         events_send, events = trio.open_memory_channel(request.params.max_tokens + 2)
         reply_send, reply = trio.open_memory_channel(1)
-        finished = False
+        stream = _EventStream(events)
         async with events, reply:
             try:
                 await self._inbox.send(Submit(request_id, request, events_send, reply_send))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 raise EngineClosed("the engine is shut down") from None
-            outcome = await reply.receive()
+            try:
+                outcome = await reply.receive()
+            except trio.EndOfChannel:
+                raise EngineClosed("the engine is shut down") from None
             if outcome is not None:
                 raise outcome
             try:
-                async for event in events:
-                    if isinstance(event, FinalEvent):
-                        finished = True
-                    yield event
-                    if finished:
-                        return
-                raise EngineClosed("the engine shut down before the request finished")
+                yield stream
             finally:
-                if not finished:
+                if not stream.finished:
                     with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                         # Best effort, to wake the scheduler now; closing our
                         # event channel (leaving this block) is what it relies on.
                         self._inbox.send_nowait(Cancel(request_id))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """`open_generation` as one async generator: submit, then yield every
+        event. Leaving the loop early cancels the request (promptly when the
+        generator is closed, e.g. with contextlib.aclosing)."""
+        async with self.open_generation(request) as events:
+            async for event in events:
+                yield event
+
+
+class _EventStream:
+    """A request's events, up to and including its FinalEvent."""
+
+    def __init__(self, channel: trio.MemoryReceiveChannel) -> None:
+        self._channel = channel
+        self.finished = False
+
+    def __aiter__(self) -> _EventStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            event = await self._channel.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise EngineClosed("the engine shut down before the request finished") from None
+        if isinstance(event, FinalEvent):
+            self.finished = True
+        return event
 
 
 def check_request(request: GenerateRequest, vocab_size: int) -> None:

@@ -10,6 +10,7 @@ scheduler drops the requests within one step."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+import contextlib
 from contextlib import aclosing
 
 import attrs
@@ -85,34 +86,31 @@ class Connection:
 
     async def stream(self, include_usage: bool) -> Response:
         # Submit the first choice now, so a refusal (queue full, too long) is
-        # an ordinary error response rather than an error inside the stream.
-        first = aclosing(self.engine.generate(self._request(0)))
-        events = await first.__aenter__()
+        # an ordinary error response rather than an error inside the stream;
+        # once accepted, headers and the role chunk go out at once.
+        first = self.engine.open_generation(self._request(0))
         try:
-            head = await events.__anext__()
-        except BaseException as exc:
-            await first.__aexit__(None, None, None)
-            if isinstance(exc, Exception):
-                return error_response(exc)
-            raise
-        body = self._sse(first, head, include_usage)
+            events = await first.__aenter__()
+        except Exception as exc:  # noqa: BLE001 - a refusal is an ordinary error response
+            return error_response(exc)
+        body = self._sse(first, events, include_usage)
         response = Response(body, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
         response.timeout = None
         return response
 
-    async def _sse(self, first, head, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _sse(self, first, events, include_usage: bool) -> AsyncIterator[bytes]:
         """Chunks for every choice, then usage and [DONE]. With n > 1 the
-        choices stream one after another, each chunk carrying its index."""
+        choices stream one after another, each chunk carrying its index.
+        ``first`` is the accepted first generation's context, entered already."""
         completion_tokens = 0
-        async with first as events:
+        async with _entered(first):
             if self.kind == "chat":
                 for i in range(self.n):
                     yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, i, {"role": "assistant", "content": ""}))
             elif self.echo:
                 for i in range(self.n):
                     yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self.prompt_text))
-            pending = [head]
-            async for event in _chain(pending, events):
+            async for event in events:
                 for chunk, done_tokens in self._render(0, event):
                     completion_tokens += done_tokens
                     yield chunk
@@ -154,9 +152,13 @@ class Connection:
             yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, None, lp)), 0
 
 
-async def _chain(pending: list, events) -> AsyncIterator:
-    for event in pending:
-        yield event
-    async for event in events:
-        yield event
-
+@contextlib.asynccontextmanager
+async def _entered(context):
+    """Own the exit of an async context manager entered elsewhere."""
+    try:
+        yield
+    except BaseException as exc:
+        if not await context.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        await context.__aexit__(None, None, None)
