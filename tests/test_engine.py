@@ -1015,3 +1015,23 @@ async def test_cached_blocks_yield_to_new_requests_when_the_pool_is_full(ckpt):
             stats = engine.statistics()
     assert all(o.final.finish_reason == "length" for o in outcomes)
     assert stats.prefix.evictions > 0 and stats.kv_blocks_used == 0
+
+
+async def test_draw_start_continues_a_random_stream(ckpt):
+    """A request that resumes another's output at draw index k (as a
+    session's next turn does) draws exactly what the original drew from k on;
+    FinalEvent.draw_end reports where the stream stopped."""
+    rng = random.Random(21)
+    prompt = random_prompt(rng, 12, ckpt.tokenizer.vocab_size)
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=77, ignore_eos=True)
+    with trio.fail_after(20):
+        async with open_engine(config(), checkpoint=ckpt) as engine:
+            whole = await collect(engine, GenerateRequest(prompt, params))
+            resumed = await collect(
+                engine,
+                GenerateRequest(prompt + whole.tokens[:4], attrs.evolve(params, max_tokens=6), draw_start=4),
+            )
+            greedy = await collect(engine, GenerateRequest(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), draw_start=3))
+    assert whole.final.draw_end == 10
+    assert resumed.tokens == whole.tokens[4:] and resumed.final.draw_end == 10
+    assert greedy.final.draw_end == 3  # greedy consumes no draws

@@ -123,6 +123,8 @@ def check_request(request: GenerateRequest, vocab_size: int) -> None:
     bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", field="prompt")
+    if not (isinstance(request.draw_start, int) and request.draw_start >= 0):
+        raise RequestError(f"draw_start must be a whole number of at least 0, got {request.draw_start!r}", field="draw_start")
     try:
         request.params.validate(vocab_size)
     except SamplingError as exc:

@@ -16,9 +16,13 @@ from trioserve.models.step import SeqChunk
 # -- what a caller asks for and receives --------------------------------------
 @attrs.frozen
 class GenerateRequest:
+    """draw_start: the first draw index of this request's random stream; a
+    session's turn continues where its last committed turn stopped."""
+
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     params: SamplingParams = SamplingParams()
     request_id: str | None = None
+    draw_start: int = 0
 
 
 @attrs.frozen
@@ -59,6 +63,7 @@ class FinalEvent:
     text: str = ""
     error: str | None = None
     timings: Timings | None = None
+    draw_end: int = 0  # the next unused draw index of the request's stream
 
 
 Event = TokenEvent | FinalEvent

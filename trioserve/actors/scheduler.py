@@ -99,6 +99,7 @@ class Scheduler:
             prompt_ids=list(request.prompt_ids),
             params=params,
             seed=params.seed if params.seed is not None else new_seed(),
+            draw_index=request.draw_start,
             stop_ids=frozenset(stop_ids),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stops=StopMatcher(params.stop),
@@ -214,7 +215,7 @@ class Scheduler:
             total_s=now - seq.arrival,
         )
         usage = Usage(len(seq.prompt_ids), seq.generated)
-        self._publish(seq, FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings))
+        self._publish(seq, FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings, seq.draw_index))
         self.channels.pop(seq.id).close()
         del self.seqs[seq.id]
 
