@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV blocks between requests with the same prompt prefix")
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
     srv.add_argument("--prefix-cache-idle", type=_positive_float, default=None, help="seconds an unused cached block is kept (default: until room is needed)")
+    srv.add_argument("--max-sessions", type=_positive_int, default=1024, help="sessions kept at once; idle ones beyond go least recently used first (default 1024)")
+    srv.add_argument("--session-idle", type=_positive_float, default=3600.0, help="seconds an idle session is kept (default 3600)")
+    srv.add_argument("--session-history-bytes", type=_byte_size, default="64MiB", help="total history text all sessions may keep (default 64MiB)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
     srv.add_argument("--drain-timeout", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
@@ -174,6 +177,9 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         write_timeout_s=args.write_timeout,
         default_max_tokens=args.default_max_tokens,
+        max_sessions=args.max_sessions,
+        session_idle_s=args.session_idle,
+        session_history_bytes=args.session_history_bytes,
         log_level=args.log_level,
     )
     return run_server(settings)

@@ -82,6 +82,9 @@ class ServerSettings:
     drain_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
     write_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
+    max_sessions: int = attrs.field(default=1024, validator=_positive)
+    session_idle_s: float | None = attrs.field(default=3600.0, validator=_positive)
+    session_history_bytes: int | None = attrs.field(default=64 * MIB, validator=_positive)
     log_level: str = "info"
 
 
@@ -129,6 +132,9 @@ _ENV = {
     "TRIOSERVE_DRAIN_TIMEOUT": ("drain_timeout_s", float),
     "TRIOSERVE_WRITE_TIMEOUT": ("write_timeout_s", float),
     "TRIOSERVE_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
+    "TRIOSERVE_MAX_SESSIONS": ("max_sessions", int),
+    "TRIOSERVE_SESSION_IDLE": ("session_idle_s", float),
+    "TRIOSERVE_SESSION_HISTORY_BYTES": ("session_history_bytes", parse_byte_size),
 }
 
 

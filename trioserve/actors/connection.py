@@ -9,7 +9,7 @@ scheduler drops the requests within one step."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 import contextlib
 from contextlib import aclosing
 
@@ -43,12 +43,16 @@ class Connection:
         self.logprobs = logprobs
         self.prompt_text = prompt_text
         self.echo = echo
+        self.draw_start = 0  # a session turn continues its random stream
+        # Called with choice 0 right before its final response goes out
+        # (the JSON body, or the last SSE chunk): a session commits there.
+        self.on_final: Callable[[openai.Choice], None] | None = None
         self.id = openai.new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = openai.now()
         self.model = state.model_name
 
     def _request(self, index: int) -> GenerateRequest:
-        return GenerateRequest(self.prompt_ids, seed_for(self.params, index))
+        return GenerateRequest(self.prompt_ids, seed_for(self.params, index), draw_start=self.draw_start if index == 0 else 0)
 
     async def _run_choice(self, index: int, choice: openai.Choice) -> None:
         async with aclosing(self.engine.generate(self._request(index))) as events:
@@ -69,6 +73,8 @@ class Connection:
         failed = [c for c in choices if c.final.finish_reason == "error"]
         if failed:
             return error_response(HTTPError(503 if self.engine.statistics().dead else 500, failed[0].final.error or "generation failed", kind="server_error"))
+        if self.on_final is not None:
+            self.on_final(choices[0])
         if self.kind == "chat":
             return json_response(openai.chat_body(self.id, self.created, self.model, choices, len(self.prompt_ids), self.engine.tokenizer, self.logprobs))
         body = openai.envelope("text_completion", self.id, self.created, self.model)
@@ -110,7 +116,11 @@ class Connection:
             elif self.echo:
                 for i in range(self.n):
                     yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self.prompt_text))
+            choice = openai.Choice(0)
             async for event in events:
+                choice.add(event)
+                if isinstance(event, FinalEvent) and event.finish_reason != "error" and self.on_final is not None:
+                    self.on_final(choice)
                 for chunk, done_tokens in self._render(0, event):
                     completion_tokens += done_tokens
                     yield chunk

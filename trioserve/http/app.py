@@ -25,6 +25,7 @@ from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
+from trioserve.http.sessions import add_session_routes
 from trioserve.http.write_timeout import WriteTimeout
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
@@ -199,6 +200,9 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             return await job.stream(include_usage)
         return await job.collect()
 
+    state.sessions = add_session_routes(
+        app, state, lambda: _body(settings.max_body_bytes), _default_max_tokens, _check_model
+    )
     return app
 
 

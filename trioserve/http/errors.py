@@ -8,6 +8,8 @@ import math
 
 from quart import Response
 
+from trioserve.state.session_store import SessionBusy, SessionNotFound
+
 from trioserve.errors import ChatTemplateError, EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
 
 
@@ -34,6 +36,10 @@ def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
         return 400, error_body(str(exc), "invalid_request_error", exc.field, "context_length_exceeded"), {}
     if isinstance(exc, RequestError):
         return 400, error_body(str(exc), "invalid_request_error", exc.field), {}
+    if isinstance(exc, SessionNotFound):
+        return 404, error_body(str(exc), "invalid_request_error", None, "session_not_found"), {}
+    if isinstance(exc, SessionBusy):
+        return 409, error_body(str(exc), "invalid_request_error", None, "session_busy"), {}
     if isinstance(exc, ChatTemplateError):  # the model's template refuses this conversation
         return 400, error_body(f"the chat template rejected the messages: {exc}", "invalid_request_error", "messages"), {}
     if isinstance(exc, QueueFull):

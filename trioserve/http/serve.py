@@ -33,7 +33,12 @@ async def _drain_on_signal(app, settings: ServerSettings) -> None:
     # Wait for every HTTP request in flight to have sent its last byte (new
     # ones are refused with 503 and finish at once).
     with trio.move_on_after(settings.drain_timeout_s):
-        await state.requests.wait_idle()
+        while True:
+            await state.requests.wait_idle()
+            stats = state.engine.statistics() if state.engine is not None else None
+            if stats is None or (stats.running == 0 and stats.waiting == 0):
+                break
+            await trio.sleep(0.05)
 
 
 async def serve_app(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -48,7 +53,7 @@ async def serve_app(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IG
     config = HypercornConfig()
     config.bind = [f"{settings.host}:{settings.port}"]
     config.loglevel = settings.log_level.upper()
-    config.graceful_timeout = 2.0
+    config.graceful_timeout = 2.0  # after the drain only idle keep-alive connections remain
     config.accesslog = None
     await serve(app, config, shutdown_trigger=lambda: _drain_on_signal(app, settings), task_status=task_status)
 

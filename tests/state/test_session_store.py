@@ -1,0 +1,76 @@
+"""Session store bookkeeping: pinning, commit vs cancel, and eviction of idle
+sessions under the count, history-bytes and idle-time limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from trioserve.state.session_store import SessionBusy, SessionNotFound, SessionStore, Turn
+
+
+def reply(text: str, draw_end: int = 0) -> Turn:
+    return Turn(({"role": "user", "content": "q"}, {"role": "assistant", "content": text}), 7, draw_end, 3, 2)
+
+
+def test_commit_changes_the_session_and_cancel_does_not():
+    store = SessionStore()
+    s = store.create(0.0, system="sys", defaults={"temperature": 0}, seed=None)
+    store.begin(s.id, 1.0)
+    store.cancel(s, 2.0)
+    assert (s.turns, s.messages, s.draw_index, s.busy) == (0, [], 0, False)
+    store.begin(s.id, 3.0)
+    store.commit(s, reply("hi", draw_end=5), 4.0)
+    assert (s.turns, s.draw_index, s.seed, s.prompt_tokens, s.completion_tokens, s.busy) == (1, 5, 7, 3, 2, False)
+    assert s.conversation([{"role": "user", "content": "next"}])[0] == {"role": "system", "content": "sys"}
+    assert store.stats() == {"active": 1, "busy": 0, "evicted": 0, "turns_committed": 1, "turns_cancelled": 1}
+
+
+def test_one_turn_at_a_time_and_busy_sessions_cannot_be_deleted():
+    store = SessionStore()
+    s = store.create(0.0)
+    store.begin(s.id, 0.0)
+    with pytest.raises(SessionBusy, match="already has a turn running"):
+        store.begin(s.id, 0.0)
+    with pytest.raises(SessionBusy, match="delete it after the turn ends"):
+        store.delete(s.id, 0.0)
+    store.cancel(s, 0.0)
+    store.delete(s.id, 0.0)
+    with pytest.raises(SessionNotFound, match="no session"):
+        store.get(s.id, 0.0)
+
+
+def test_count_limit_evicts_least_recently_used_idle_sessions_never_pinned_ones():
+    store = SessionStore(max_sessions=2)
+    a = store.create(0.0)
+    b = store.create(1.0)
+    store.begin(a.id, 2.0)  # a is pinned and now the most recent
+    c = store.create(3.0)  # over the limit: b (idle, oldest unpinned) goes
+    with pytest.raises(SessionNotFound):
+        store.get(b.id, 3.0)
+    store.create(4.0)  # a is pinned: c goes instead even though a is older
+    assert store.get(a.id, 4.0) is a
+    with pytest.raises(SessionNotFound):
+        store.get(c.id, 4.0)
+    assert store.evicted == 2
+
+
+def test_idle_limit_expires_sessions_not_used_recently():
+    store = SessionStore(idle_s=10.0)
+    old = store.create(0.0)
+    fresh = store.create(5.0)
+    assert store.get(fresh.id, 12.0) is fresh  # 7 s idle: kept
+    with pytest.raises(SessionNotFound):
+        store.get(old.id, 12.0)  # 12 s idle: gone
+
+
+def test_history_bytes_limit_evicts_oldest_idle_histories():
+    store = SessionStore(max_history_bytes=10)
+    a = store.create(0.0)
+    store.begin(a.id, 0.0)
+    store.commit(a, reply("12345678"), 1.0)  # 8 + 1 ("q") bytes
+    b = store.create(2.0)
+    store.begin(b.id, 2.0)
+    store.commit(b, reply("abcd"), 3.0)  # total 9 + 5 > 10: a (least recent) goes
+    with pytest.raises(SessionNotFound):
+        store.get(a.id, 3.0)
+    assert store.get(b.id, 3.0).history_bytes() == 5

@@ -1,0 +1,176 @@
+"""The /v1/sessions resource: stateful conversations over the same engine.
+
+    POST   /v1/sessions                 {model?, system?, seed?, sampling defaults} -> the session
+    POST   /v1/sessions/{id}/turns      {messages, stream?, per-turn overrides} -> a chat completion
+    GET    /v1/sessions/{id}            history, settings, usage
+    DELETE /v1/sessions/{id}
+
+A turn pins the session, renders system + committed history + the new
+messages through the chat template, and generates. Right before the final
+response (the JSON body, or the last SSE chunk) it commits: the new messages
+and the reply join the history, and the random stream's position moves on.
+A disconnect, error or refusal before that point changes nothing, so a retry
+starts from the same place; a disconnect after it does not undo the turn."""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import attrs
+import trio
+from quart import Response
+
+from trioserve.actors.connection import Connection
+from trioserve.http import openai
+from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.http.schemas import parse_chat_request, sampling_params
+from trioserve.state.session_store import Session, SessionStore, Turn
+
+# Chat fields a session keeps as defaults for its turns.
+SETTINGS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "max_tokens", "max_completion_tokens", "stop", "logit_bias", "ignore_eos",
+)  # fmt: skip
+PLACEHOLDER = [{"role": "user", "content": "-"}]
+
+
+def _check_settings(body: dict) -> dict:
+    """The session settings in ``body``, validated exactly as chat fields are."""
+    settings = {k: body[k] for k in SETTINGS if k in body}
+    parse_chat_request({"messages": PLACEHOLDER, **settings})
+    return settings
+
+
+def add_session_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
+    settings = state.settings
+    store = SessionStore(
+        max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes
+    )
+
+    @app.route("/v1/sessions", methods=["POST"])
+    async def create_session() -> Response:
+        try:
+            state.ready()
+            body = await body_reader()
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the request body must be a JSON object")
+            check_model(state, body.get("model"))
+            system = body.get("system")
+            if system is not None and not isinstance(system, str):
+                raise HTTPError(400, "system: expected a string", param="system")
+            seed = body.get("seed")
+            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+                raise HTTPError(400, f"seed: expected a whole number of at least 0, got {seed!r}", param="seed")
+            defaults = _check_settings(body)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time())
+        return json_response(_describe(session, state.model_name), 200)
+
+    @app.route("/v1/sessions/<session_id>", methods=["GET"])
+    async def read_session(session_id: str) -> Response:
+        try:
+            return json_response(_describe(store.get(session_id, trio.current_time()), state.model_name))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    @app.route("/v1/sessions/<session_id>", methods=["DELETE"])
+    async def delete_session(session_id: str) -> Response:
+        try:
+            store.delete(session_id, trio.current_time())
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return json_response({"id": session_id, "object": "session.deleted", "deleted": True})
+
+    @app.route("/v1/sessions/<session_id>/turns", methods=["POST"])
+    async def turn(session_id: str) -> Response:
+        session: Session | None = None  # set once this request has pinned the session
+        try:
+            engine = state.ready()
+            body = await body_reader()
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the request body must be a JSON object")
+            for message in body.get("messages") or []:
+                if isinstance(message, dict) and message.get("role") not in ("user", "tool"):
+                    raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
+            found = store.get(session_id, trio.current_time())
+            req = parse_chat_request({**found.defaults, **body})
+            if req.n != 1:
+                raise HTTPError(400, "n: a session turn has exactly one choice", param="n")
+            session = store.begin(session_id, trio.current_time())
+            new = [{"role": m.role, "content": m.text()} for m in req.messages]
+            prompt_ids = engine.tokenizer.encode(state.template.render(session.conversation(new), add_generation_prompt=True))
+            params = sampling_params(req, default_max_tokens=default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
+            restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
+            if not restart and session.seed is not None:
+                params = _with_seed(params, session.seed)
+            job = Connection(state, engine, "chat", prompt_ids, params, 1, req.logprobs, prompt_text="", echo=False)
+            job.draw_start = 0 if restart else session.draw_index
+        except Exception as exc:  # noqa: BLE001
+            if session is not None:
+                store.cancel(session, trio.current_time())
+            return error_response(exc)
+
+        def commit(choice: openai.Choice) -> None:
+            final = choice.final
+            turn = Turn(
+                messages=tuple(new) + ({"role": "assistant", "content": choice.content},),
+                seed=final.seed,
+                draw_end=final.draw_end,
+                prompt_tokens=final.usage.prompt_tokens,
+                completion_tokens=final.usage.completion_tokens,
+            )
+            store.commit(session, turn, trio.current_time())
+
+        def release() -> None:
+            store.cancel(session, trio.current_time())  # no-op once committed
+
+        job.on_final = commit
+        if not req.stream:
+            try:
+                return await job.collect()
+            finally:
+                release()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        response = await job.stream(include_usage)
+        if response.mimetype == "text/event-stream":
+            # Release when the body ends, and also if it never starts (the
+            # client left first): the generator is then only collected.
+            wrapped = _then(response.response.iter, release)
+            weakref.finalize(wrapped, release)
+            response.response.iter = wrapped
+        else:
+            release()
+        return response
+
+    return store
+
+
+def _with_seed(params, seed: int):
+    return attrs.evolve(params, seed=seed)
+
+
+async def _then(body, after):
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        after()
+
+
+def _describe(session: Session, model: str) -> dict:
+    return {
+        "id": session.id,
+        "object": "session",
+        "model": model,
+        "created": int(session.created),
+        "system": session.system,
+        "settings": session.defaults,
+        "seed": session.seed,
+        "draw_index": session.draw_index,
+        "turns": session.turns,
+        "messages": session.messages,
+        "usage": openai.usage_body(session.prompt_tokens, session.completion_tokens),
+        "busy": session.busy,
+    }

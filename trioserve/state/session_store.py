@@ -1,0 +1,177 @@
+"""Stateful sessions: committed conversation history, settings and the
+random-stream position, with the turn protocol's bookkeeping. Pure Python:
+no trio, no torch; the HTTP connection drives it.
+
+A turn *begins* (the session is pinned: one turn at a time), generates
+provisionally, and then either *commits* (history, draw position and usage
+change) or *cancels* (nothing changes, so a retry starts from the same
+place). Idle sessions are evicted least recently used beyond the count limit
+or after the idle limit; a pinned session is never evicted. Nothing
+persists across restarts."""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trioserve.errors import TrioserveError
+
+
+class SessionNotFound(TrioserveError):
+    """Unknown, deleted or evicted session (HTTP 404)."""
+
+
+class SessionBusy(TrioserveError):
+    """A turn is already running on this session (HTTP 409)."""
+
+
+@attrs.define(eq=False)
+class Session:
+    id: str
+    created: float
+    system: str | None
+    defaults: dict[str, Any]  # sampling settings every turn starts from
+    seed: int | None  # None: a random seed is chosen at the first sampled turn
+    messages: list[dict[str, Any]] = attrs.field(factory=list)  # committed history, system message excluded
+    draw_index: int = 0
+    turns: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    busy: bool = False
+    last_used: float = 0.0
+
+    def conversation(self, new: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+        """System message (if any), committed history, then ``new``."""
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + [dict(m) for m in self.messages] + [dict(m) for m in new]
+
+    def history_bytes(self) -> int:
+        return sum(len(str(m.get("content") or "").encode()) for m in self.messages)
+
+
+@attrs.frozen
+class Turn:
+    """What a committed turn adds."""
+
+    messages: tuple[dict[str, Any], ...]  # the turn's new messages, then the assistant's
+    seed: int
+    draw_end: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class SessionStore:
+    def __init__(self, *, max_sessions: int = 1024, idle_s: float | None = None, max_history_bytes: int | None = None) -> None:
+        self.max_sessions = max_sessions
+        self.idle_s = idle_s
+        self.max_history_bytes = max_history_bytes
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.evicted = 0
+        self.committed = 0
+        self.cancelled = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def create(
+        self,
+        now: float,
+        *,
+        system: str | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        created: float | None = None,
+    ) -> Session:
+        """``now`` is the store's clock (for idleness); ``created`` the wall
+        time shown to clients (default ``now``)."""
+        self.expire(now)
+        session = Session(f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed, last_used=now)
+        self._sessions[session.id] = session
+        self._enforce_count()
+        return session
+
+    def get(self, session_id: str, now: float) -> Session:
+        self.expire(now)
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r} (unknown, deleted, or evicted after being idle)")
+        return session
+
+    def delete(self, session_id: str, now: float) -> None:
+        session = self.get(session_id, now)
+        if session.busy:
+            raise SessionBusy(f"session {session_id!r} has a turn running; delete it after the turn ends")
+        del self._sessions[session_id]
+
+    def begin(self, session_id: str, now: float) -> Session:
+        """Pin the session for a turn."""
+        session = self.get(session_id, now)
+        if session.busy:
+            raise SessionBusy(f"session {session_id!r} already has a turn running")
+        session.busy = True
+        self._touch(session, now)
+        return session
+
+    def commit(self, session: Session, turn: Turn, now: float) -> None:
+        """The turn's final response was chosen: it becomes history."""
+        assert session.busy, "commit without begin"
+        session.messages.extend(dict(m) for m in turn.messages)
+        session.seed = turn.seed
+        session.draw_index = turn.draw_end
+        session.turns += 1
+        session.prompt_tokens += turn.prompt_tokens
+        session.completion_tokens += turn.completion_tokens
+        session.busy = False
+        self.committed += 1
+        self._touch(session, now)
+        self._enforce_count()
+
+    def cancel(self, session: Session, now: float) -> None:
+        """The turn ended without a final response: nothing changes."""
+        if session.busy:
+            session.busy = False
+            self.cancelled += 1
+            self._touch(session, now)
+
+    def expire(self, now: float) -> None:
+        if self.idle_s is None:
+            return
+        for sid in list(self._sessions):
+            session = self._sessions[sid]
+            if now - session.last_used <= self.idle_s:
+                break  # the rest were used more recently
+            if not session.busy:
+                del self._sessions[sid]
+                self.evicted += 1
+
+    def _touch(self, session: Session, now: float) -> None:
+        session.last_used = now
+        self._sessions.move_to_end(session.id)
+
+    def _enforce_count(self) -> None:
+        """Evict idle sessions, least recently used first, while over the
+        count or history-bytes limit."""
+        total = sum(s.history_bytes() for s in self._sessions.values()) if self.max_history_bytes is not None else 0
+        for sid in list(self._sessions):
+            over_count = len(self._sessions) > self.max_sessions
+            over_bytes = self.max_history_bytes is not None and total > self.max_history_bytes
+            if not (over_count or over_bytes):
+                return
+            session = self._sessions[sid]
+            if not session.busy:
+                total -= session.history_bytes() if self.max_history_bytes is not None else 0
+                del self._sessions[sid]
+                self.evicted += 1
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "active": len(self._sessions),
+            "busy": sum(s.busy for s in self._sessions.values()),
+            "evicted": self.evicted,
+            "turns_committed": self.committed,
+            "turns_cancelled": self.cancelled,
+        }
