@@ -40,6 +40,8 @@ async def test_turns_equal_stateless_chat_with_the_full_history(server):
                 assert stateless.json()["choices"][0]["message"]["content"] == reply
                 history.append({"role": "assistant", "content": reply})
             state = (await client.get(f"/v1/sessions/{sid}")).json()
+            sessions = (await client.get("/metrics")).json()["sessions"]
+    assert sessions["active"] == 1 and sessions["turns_committed"] == 3 and sessions["turns_cancelled"] == 0
     assert state["turns"] == 3 and state["messages"] == history[1:]
     assert state["usage"]["completion_tokens"] == 18
 

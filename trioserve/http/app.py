@@ -45,6 +45,7 @@ class ServerState:
         self.engine_scope = trio.CancelScope()
         self.requests = None  # the WriteTimeout middleware, which counts HTTP requests in flight
         self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
+        self.sessions = None  # the SessionStore, made with the session routes
 
     def ready(self) -> Engine:
         if self.phase == "draining":
@@ -153,7 +154,9 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         engine = state.engine
         if engine is None:
             return json_response({"status": state.phase})
-        return json_response(_stats_body(engine))
+        body = _stats_body(engine)
+        body["sessions"] = state.sessions.stats()
+        return json_response(body)
 
     @app.route("/metrics/prometheus")
     async def metrics_prometheus() -> Response:
