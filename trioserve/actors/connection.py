@@ -59,6 +59,12 @@ class Connection:
             async for event in events:
                 choice.add(event)
 
+    async def respond(self, stream: bool, stream_options=None) -> Response:
+        """One JSON body, or an SSE stream (with a usage chunk when asked)."""
+        if stream:
+            return await self.stream(bool(stream_options and stream_options.include_usage))
+        return await self.collect()
+
     async def collect(self) -> Response:
         choices = [openai.Choice(i) for i in range(self.n)]
         failure: list[Exception] = []

@@ -178,10 +178,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         job = Connection(state, engine, "chat", prompt_ids, params, req.n, req.logprobs, prompt_text="", echo=False)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await job.stream(include_usage)
-        return await job.collect()
+        return await job.respond(req.stream, req.stream_options)
 
     @app.route("/v1/completions", methods=["POST"])
     async def completions() -> Response:
@@ -198,10 +195,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         job = Connection(state, engine, "text", prompt_ids, params, req.n, req.logprobs is not None, prompt_text=prompt_text, echo=req.echo)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await job.stream(include_usage)
-        return await job.collect()
+        return await job.respond(req.stream, req.stream_options)
 
     state.sessions = add_session_routes(
         app, state, lambda: _body(settings.max_body_bytes), _default_max_tokens, _check_model
