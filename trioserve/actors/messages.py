@@ -111,3 +111,13 @@ class SampleRequest:
 class SampleReply:
     sampled: list[Sampled] | None
     error: str | None = None
+
+
+def deliver(channel: trio.MemorySendChannel, message) -> bool:
+    """Hand ``message`` to a reply channel without waiting. False when the
+    asker stopped waiting (its end is closed): there is no one to tell."""
+    try:
+        channel.send_nowait(message)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+        return False
+    return True

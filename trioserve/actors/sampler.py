@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import trio
 
-from trioserve.actors.messages import SampleReply, SampleRequest
+from trioserve.actors.messages import SampleReply, SampleRequest, deliver
 from trioserve.models.sampling import sample_rows
 
 
@@ -26,7 +26,4 @@ async def run_sampler(inbox: trio.MemoryReceiveChannel, *, task_status=trio.TASK
     async with inbox:
         async for request in inbox:
             reply = await trio.to_thread.run_sync(_sample, request)
-            try:
-                request.reply.send_nowait(reply)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            deliver(request.reply, reply)  # False: the scheduler stopped waiting

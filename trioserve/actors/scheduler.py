@@ -25,6 +25,7 @@ from trioserve.actors.messages import (
     Timings,
     TokenEvent,
     Usage,
+    deliver,
 )
 from trioserve.errors import EngineClosed, EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
@@ -108,11 +109,7 @@ class Scheduler:
 
     @staticmethod
     def _reply(message: Submit, outcome: BaseException | None) -> bool:
-        try:
-            message.reply.send_nowait(outcome)
-            return True
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-            return False
+        return deliver(message.reply, outcome)
 
     # -- the loop ----------------------------------------------------------
     async def steps(self) -> None:
@@ -200,10 +197,8 @@ class Scheduler:
 
     # -- publishing ----------------------------------------------------------
     def _publish(self, seq: Sequence, event) -> None:
-        try:
-            self.channels[seq.id].send_nowait(event)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-            seq.cancelled = True
+        if not deliver(self.channels[seq.id], event):
+            seq.cancelled = True  # the consumer is gone
 
     def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None) -> None:
         now = trio.current_time()

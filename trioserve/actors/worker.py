@@ -13,7 +13,7 @@ import time
 import torch
 import trio
 
-from trioserve.actors.messages import StepReply, StepRequest
+from trioserve.actors.messages import StepReply, StepRequest, deliver
 from trioserve.models.step import build_step
 
 
@@ -50,7 +50,4 @@ async def run_worker(model, cache, inbox: trio.MemoryReceiveChannel, *, task_sta
     async with inbox:
         async for request in inbox:
             reply = await trio.to_thread.run_sync(run_step, model, cache, block_size, request)
-            try:
-                request.reply.send_nowait(reply)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the scheduler stopped waiting; nothing to deliver to
+            deliver(request.reply, reply)  # False: the scheduler stopped waiting
