@@ -116,6 +116,11 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         response.headers["Access-Control-Allow-Origin"] = "*"
         response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
         response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        if state.phase == "draining":
+            # A refused request's body is left unread, so the connection
+            # cannot carry another request; say so, or a client reusing it
+            # from its pool meets a bare disconnect instead of this 503.
+            response.headers["Connection"] = "close"
         return response
 
     @app.errorhandler(413)
