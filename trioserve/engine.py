@@ -50,6 +50,17 @@ class Engine:
         """The latest frozen snapshot the scheduler published."""
         return self._scheduler.snapshot
 
+    def settle_retained(self, owner: str, *, commit: bool) -> None:
+        """An owner's turn ended: ``commit`` makes the KV held for it since
+        its request finished (see GenerateRequest.retain) the owner's, in
+        place of what it kept before; otherwise that held KV is let go.
+        Takes effect before the scheduler admits anything further."""
+        self._scheduler.settle(owner, "commit" if commit else "cancel")
+
+    def forget_retained(self, owner: str) -> None:
+        """Let go of everything kept for ``owner`` (the session ended)."""
+        self._scheduler.settle(owner, "forget")
+
     @contextlib.asynccontextmanager
     async def open_generation(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[Event]]:
         """Submit ``request``; once the scheduler accepted it, give its

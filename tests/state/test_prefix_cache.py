@@ -305,6 +305,76 @@ def test_clear_frees_every_idle_block_and_keeps_held_ones():
 # -- record and stats ----------------------------------------------------------------
 
 
+# -- pins -------------------------------------------------------------------------
+
+
+def test_pin_holds_the_cached_chain_against_trim_and_evict():
+    pool, cache = new_cache(blocks=8, max_blocks=1)
+    a, b, c = put(pool, cache, "abc", A + B + C, now=1.0, keep=True)
+    assert cache.pin("s", A + B + [1, 2], now=2.0) == 2 * BS  # whole blocks only
+    pool.free_sequence("abc")
+    cache.trim(now=3.0)  # count limit 1: only c, which nobody pins, goes
+    assert cached_blocks(cache) == {a, b} and pool.refcount(c) == 0
+    assert cache.evict(10) == 0 and cache.idle_blocks() == 0
+    assert [pool.refcount(x) for x in (a, b)] == [2, 2]
+    s = cache.stats()
+    assert (s.pinned_blocks, s.pinned_owners, s.pin_evictions) == (2, 1, 0)
+    assert cache.unpin("s") == 2
+    cache.trim(now=4.0)
+    assert len(cache) == 1 and cache.stats().pinned_owners == 0
+
+
+def test_pin_stops_at_the_first_block_not_cached_and_replaces_the_old_pin():
+    pool, cache = new_cache(blocks=8)
+    a, b = put(pool, cache, "ab", A + B)
+    (d,) = put(pool, cache, "d", D)
+    assert cache.pin("s", A + C + B, now=1.0) == BS  # C is not cached after A
+    assert pool.refcount(a) == 2 and pool.refcount(b) == 1
+    assert cache.pin("s", A + B, now=2.0) == 2 * BS  # overlapping re-pin: a keeps exactly one pin
+    assert [pool.refcount(x) for x in (a, b, d)] == [2, 2, 1]
+    assert cache.pin("s", D, now=3.0) == BS
+    assert [pool.refcount(x) for x in (a, b, d)] == [1, 1, 2]
+    assert cache.pinned_tokens("s") == BS and cache.pinned_tokens("other") == 0
+
+
+def test_settle_commit_moves_the_held_pin_and_cancel_or_forget_let_go():
+    from trioserve.state.prefix_cache import held_key
+
+    pool, cache = new_cache(blocks=8)
+    a, b = put(pool, cache, "ab", A + B)
+    cache.pin("s", A, now=1.0)  # the last committed turn
+    cache.pin(held_key("s"), A + B, now=2.0)  # the next turn, finished
+    assert [pool.refcount(x) for x in (a, b)] == [3, 2]
+    cache.settle("s", "commit")
+    assert cache.pinned_tokens("s") == 2 * BS and cache.pinned_tokens(held_key("s")) == 0
+    assert [pool.refcount(x) for x in (a, b)] == [2, 2]
+    cache.pin(held_key("s"), A, now=3.0)
+    cache.settle("s", "cancel")  # the held turn goes, the committed pins stay
+    assert cache.pinned_tokens("s") == 2 * BS and [pool.refcount(x) for x in (a, b)] == [2, 2]
+    cache.pin(held_key("s"), A, now=4.0)
+    cache.settle("s", "forget")
+    assert [pool.refcount(x) for x in (a, b)] == [1, 1] and cache.stats().pinned_owners == 0
+    cache.settle("gone", "commit")  # nothing held: nothing happens
+    with pytest.raises(ValueError, match="unknown retention order"):
+        cache.settle("s", "keep")
+
+
+def test_make_room_takes_least_recently_pinned_owners_only_when_that_is_enough():
+    pool, cache = new_cache(blocks=6)
+    (a,) = put(pool, cache, "a", A)
+    (b,) = put(pool, cache, "b", B)
+    (c,) = put(pool, cache, "c", C)
+    cache.pin("old", A, now=1.0)
+    cache.pin("new", B, now=2.0)
+    pool.adopt("user", cache.match(C + [1], now=3.0))  # c is in use: not freeable
+    assert pool.num_free == 3 and cache.freeable_blocks() == 2
+    assert cache.make_room(3) == 0  # cannot reach 3: nothing is touched
+    assert cache.stats().pinned_owners == 2
+    assert cache.make_room(1) == 1  # the least recently pinned owner goes first
+    assert pool.refcount(a) == 0 and pool.refcount(b) == 2
+    assert cache.stats().pin_evictions == 1 and cache.pinned_tokens("new") == BS
+
+
 def test_stats_and_hit_rate():
     pool, cache = new_cache(blocks=8)
     assert cache.stats().hit_rate == 0.0  # no queries: no division by zero
@@ -520,6 +590,30 @@ def test_drop_cancelled_registers_the_computed_full_blocks(make):
     p.enqueue(again)
     p.admit(1.0)
     assert again.num_cached == BS and p.block_table(again)[0] == table[0]
+
+
+def test_a_retaining_sequence_holds_its_blocks_only_when_it_ends_normally(make):
+    from trioserve.state.prefix_cache import held_key
+
+    p = policy(blocks=16, max_blocks=1)
+    done = make("done", A + B + [1], 2)
+    done.retain = "sess"
+    p.enqueue(done)
+    p.admit(0.0)
+    run_to_end(p, done)  # 9 prompt + 1 computed output token: 2 full blocks
+    assert done.finish_reason == "length"
+    assert p.cache.pinned_tokens(held_key("sess")) == 2 * BS and len(p.cache) == 2  # the count limit cannot take them
+
+    cut = make("cut", C + D + [1], 2)
+    cut.retain = "other"
+    p.enqueue(cut)
+    p.admit(1.0)
+    step(p, p.plan())
+    cut.cancelled = True
+    p.drop_cancelled()
+    assert p.cache.pinned_tokens(held_key("other")) == 0  # a cancelled turn holds nothing
+    p.cache.settle("sess", "commit")
+    assert p.cache.pinned_tokens("sess") == 2 * BS
 
 
 def test_finish_remembers_prompt_and_computed_output_tokens(make):

@@ -44,6 +44,7 @@ class Connection:
         self.prompt_text = prompt_text
         self.echo = echo
         self.draw_start = 0  # a session turn continues its random stream
+        self.retain: str | None = None  # a session turn's KV is held for the session
         # Called with choice 0 right before its final response goes out
         # (the JSON body, or the last SSE chunk): a session commits there.
         self.on_final: Callable[[openai.Choice], None] | None = None
@@ -52,7 +53,9 @@ class Connection:
         self.model = state.model_name
 
     def _request(self, index: int) -> GenerateRequest:
-        return GenerateRequest(self.prompt_ids, seed_for(self.params, index), draw_start=self.draw_start if index == 0 else 0)
+        if index:
+            return GenerateRequest(self.prompt_ids, seed_for(self.params, index))
+        return GenerateRequest(self.prompt_ids, self.params, draw_start=self.draw_start, retain=self.retain)
 
     async def _run_choice(self, index: int, choice: openai.Choice) -> None:
         async with aclosing(self.engine.generate(self._request(index))) as events:

@@ -17,12 +17,15 @@ from trioserve.models.step import SeqChunk
 @attrs.frozen
 class GenerateRequest:
     """draw_start: the first draw index of this request's random stream; a
-    session's turn continues where its last committed turn stopped."""
+    session's turn continues where its last committed turn stopped.
+    retain: an owner (a session id) for whom the finished request's KV is
+    held until `Engine.settle_retained` commits or drops it."""
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     params: SamplingParams = SamplingParams()
     request_id: str | None = None
     draw_start: int = 0
+    retain: str | None = None
 
 
 @attrs.frozen

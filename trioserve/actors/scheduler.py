@@ -50,6 +50,11 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.channels: dict[str, trio.MemorySendChannel] = {}
         self.wake = trio.Event()
+        # Owners' orders about retained KV: owner -> "commit" | "cancel" |
+        # "forget", latest wins. Written by `settle` from other tasks, applied
+        # at the top of every iteration, so an order can never be lost to a
+        # full inbox; the map is bounded by the number of owners.
+        self.retention: dict[str, str] = {}
         self.recorder = StatsRecorder()
         self.snapshot = self._freeze()
 
@@ -105,16 +110,36 @@ class Scheduler:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stops=StopMatcher(params.stop),
             arrival=trio.current_time(),
+            retain=request.retain,
         )
 
     @staticmethod
     def _reply(message: Submit, outcome: BaseException | None) -> bool:
         return deliver(message.reply, outcome)
 
+    def settle(self, owner: str, order: str) -> None:
+        """Record an owner's order (called from other tasks, never blocks)."""
+        assert order in ("commit", "cancel", "forget"), order
+        if self.retention.get(owner) == "forget":
+            order = "forget"  # nothing after forgetting brings the pins back
+        self.retention[owner] = order
+        self.wake.set()
+
+    def _apply_retention(self) -> None:
+        cache = self.policy.cache
+        orders, self.retention = self.retention, {}
+        if cache is None:
+            return
+        for owner, order in orders.items():
+            cache.settle(owner, order)
+        if orders:
+            cache.trim(trio.current_time())
+
     # -- the loop ----------------------------------------------------------
     async def steps(self) -> None:
         while True:
             self.wake = trio.Event()
+            self._apply_retention()
             self._drop_cancelled()
             now = trio.current_time()
             for seq in self.policy.admit(now):

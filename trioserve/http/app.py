@@ -293,5 +293,8 @@ def _stats_body(engine: Engine) -> dict:
             "idle_blocks": s.prefix.idle_blocks,
             "registered_tokens": s.prefix.registered_tokens,
             "evictions": s.prefix.evictions,
+            "pinned_blocks": s.prefix.pinned_blocks,
+            "pinned_owners": s.prefix.pinned_owners,
+            "pin_evictions": s.prefix.pin_evictions,
         },
     }

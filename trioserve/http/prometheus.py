@@ -55,6 +55,8 @@ def render(stats: EngineStats, model: str) -> str:
         _single(lines, "counter", "trioserve_prefix_cache_registered_tokens", "Tokens added to the prefix cache.", p.registered_tokens)
         _single(lines, "counter", "trioserve_prefix_cache_evictions", "Cached blocks evicted.", p.evictions)
         _single(lines, "gauge", "trioserve_prefix_cache_blocks", "Blocks the prefix cache holds.", p.cached_blocks)
+        _single(lines, "gauge", "trioserve_session_kv_blocks", "Cached blocks that sessions keep pinned.", p.pinned_blocks)
+        _single(lines, "counter", "trioserve_session_kv_evictions", "Times a session's kept KV was let go to make room.", p.pin_evictions)
     lines.append("# HELP trioserve_model_info The model this server serves.")
     lines.append("# TYPE trioserve_model_info gauge")
     lines.append(f'trioserve_model_info{{model="{model}"}} 1')

@@ -44,8 +44,15 @@ def _check_settings(body: dict) -> dict:
 
 def add_session_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
     settings = state.settings
+    def forget(session_id: str) -> None:
+        if state.engine is not None:
+            state.engine.forget_retained(session_id)
+
     store = SessionStore(
-        max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes
+        max_sessions=settings.max_sessions,
+        idle_s=settings.session_idle_s,
+        max_history_bytes=settings.session_history_bytes,
+        on_remove=forget,
     )
 
     @app.route("/v1/sessions", methods=["POST"])
@@ -107,9 +114,10 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
                 params = _with_seed(params, session.seed)
             job = Connection(state, engine, "chat", prompt_ids, params, 1, req.logprobs, prompt_text="", echo=False)
             job.draw_start = 0 if restart else session.draw_index
+            job.retain = session.id
         except Exception as exc:  # noqa: BLE001
             if session is not None:
-                store.cancel(session, trio.current_time())
+                store.cancel(session, trio.current_time())  # nothing was submitted, so nothing is held
             return error_response(exc)
 
         def commit(choice: openai.Choice) -> None:
@@ -122,9 +130,11 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
                 completion_tokens=final.usage.completion_tokens,
             )
             store.commit(session, turn, trio.current_time())
+            engine.settle_retained(session.id, commit=True)  # its KV is the session's now
 
         def release() -> None:
-            store.cancel(session, trio.current_time())  # no-op once committed
+            if store.cancel(session, trio.current_time()):  # False once committed
+                engine.settle_retained(session.id, commit=False)
 
         job.on_final = commit
         if not req.stream:

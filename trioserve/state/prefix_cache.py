@@ -6,13 +6,20 @@ a key names the whole prefix up to and including that block. The cache holds
 one pool reference on each block it remembers; requests that reuse a block
 add their own, so nothing is copied. Blocks only the cache holds are idle and
 are evicted least recently used, under a count limit and an idle-time limit,
-or when admission needs room. Pure Python: no torch, no trio."""
+or when admission needs room.
+
+An *owner* (a session) can pin the cached chain of its history: each pinned
+block gets one more pool reference, so the limits above never take it. Pins
+are let go explicitly (the session ends), replaced by the owner's next pin,
+or, when admission cannot find room any other way, taken from the owners
+pinned least recently (their history is then prefilled again on the next
+turn). Pure Python: no torch, no trio."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import attrs
@@ -31,6 +38,9 @@ class PrefixStats:
     idle_blocks: int  # of those, held by no request
     registered_tokens: int  # tokens ever added to the cache
     evictions: int
+    pinned_blocks: int = 0  # distinct blocks some owner pins
+    pinned_owners: int = 0
+    pin_evictions: int = 0  # owners whose pins were taken for room
 
     @property
     def hit_rate(self) -> float:
@@ -42,6 +52,11 @@ class _Entry:
     block: int
     tokens: tuple[int, ...]
     last_used: float
+
+
+def held_key(owner: str) -> str:
+    """Where a finished turn's KV waits for its owner's commit or cancel."""
+    return f"{owner}\x00held"
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -57,6 +72,9 @@ class PrefixCache:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._queries = self._query_tokens = self._hit_tokens = 0
         self._registered = self._evictions = 0
+        self._pins: OrderedDict[str, list[int]] = OrderedDict()  # owner -> pinned blocks, least recent first
+        self._pin_counts: Counter[int] = Counter()  # block -> how many owners pin it
+        self._pin_evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -120,6 +138,83 @@ class PrefixCache:
     def idle_blocks(self) -> int:
         return sum(1 for e in self._entries.values() if self.pool.refcount(e.block) == 1)
 
+    # -- pins ---------------------------------------------------------------
+    def pin(self, owner: str, tokens: Sequence[int], now: float) -> int:
+        """Pin the cached chain of ``tokens``' full blocks for ``owner``,
+        replacing what it pinned before. Returns the tokens pinned (the
+        chain stops at the first block not in the cache)."""
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parent = ROOT
+        for i in range(len(tokens) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            key = block_key(parent, chunk)
+            entry = self._entries.get(key)
+            if entry is None or entry.tokens != chunk:
+                break
+            blocks.append(entry.block)
+            keys.append(key)
+            parent = key
+        self.pool.share(blocks)  # before letting the old pins go: they may overlap
+        self._pin_counts.update(blocks)
+        self.unpin(owner)
+        self._pins[owner] = blocks
+        self._touch(keys, now)
+        return len(blocks) * self.block_size
+
+    def move_pin(self, source: str, owner: str) -> int:
+        """Give ``source``'s pins to ``owner`` (replacing ``owner``'s); the
+        owner becomes the most recently pinned. Returns the tokens moved."""
+        blocks = self._pins.pop(source, None)
+        if blocks is None:
+            return 0
+        self.unpin(owner)
+        self._pins[owner] = blocks
+        return len(blocks) * self.block_size
+
+    def unpin(self, owner: str) -> int:
+        """Let go of ``owner``'s pins; returns how many blocks it had."""
+        blocks = self._pins.pop(owner, None)
+        if not blocks:
+            return 0
+        self._pin_counts.subtract(blocks)
+        self._pin_counts = +self._pin_counts  # drop zeros
+        self.pool.release(blocks)
+        return len(blocks)
+
+    def settle(self, owner: str, order: str) -> None:
+        """Apply an owner's order about the KV held for it at ``held``
+        (a finished turn): "commit" makes it the owner's pins, "cancel"
+        lets it go, "forget" lets go of everything the owner has."""
+        if order == "commit":
+            self.move_pin(held_key(owner), owner)
+        elif order in ("cancel", "forget"):
+            self.unpin(held_key(owner))
+            if order == "forget":
+                self.unpin(owner)
+        else:
+            raise ValueError(f"unknown retention order {order!r}")
+
+    def pinned_tokens(self, owner: str) -> int:
+        return len(self._pins.get(owner, ())) * self.block_size
+
+    def freeable_blocks(self) -> int:
+        """Cached blocks held by nothing but the cache and pins: what
+        `make_room` could free."""
+        return sum(1 for e in self._entries.values() if self.pool.refcount(e.block) == 1 + self._pin_counts[e.block])
+
+    def make_room(self, wanted: int) -> int:
+        """Free ``wanted`` blocks if that is possible at all (else nothing):
+        idle blocks first, then owners' pins, least recently pinned first.
+        Returns the blocks freed."""
+        if self.freeable_blocks() < wanted:
+            return 0
+        while self.idle_blocks() < wanted and self._pins:
+            owner = next(iter(self._pins))
+            self.unpin(owner)
+            self._pin_evictions += 1
+        return self.evict(wanted)
+
     def evict(self, wanted: int) -> int:
         """Free up to ``wanted`` idle blocks, least recently used first."""
         freed = 0
@@ -162,4 +257,7 @@ class PrefixCache:
             idle_blocks=self.idle_blocks(),
             registered_tokens=self._registered,
             evictions=self._evictions,
+            pinned_blocks=len(self._pin_counts),
+            pinned_owners=len(self._pins),
+            pin_evictions=self._pin_evictions,
         )

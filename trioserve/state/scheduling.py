@@ -8,7 +8,9 @@ Rules:
   not fit, younger ones wait behind it (no overtaking, no starvation).
 - With a prefix cache, admission first shares the cached blocks of the
   prompt's longest known prefix (no copy, no prefill for them), and a
-  finished sequence leaves its full blocks in the cache.
+  finished sequence leaves its full blocks in the cache. A sequence that
+  retains for an owner (a session turn) also pins them, provisionally, until
+  the owner commits (the pins become the owner's) or cancels (let go).
 - A step takes every running sequence's decode token first, then prefill
   chunks in admission order until the per-step token budget is spent, so a
   long prompt delays decoding rows by at most one chunk per step."""
@@ -23,7 +25,7 @@ import attrs
 
 from trioserve.errors import QueueFull, RequestTooLarge
 from trioserve.state.kv_pool import BlockPool, blocks_needed
-from trioserve.state.prefix_cache import PrefixCache
+from trioserve.state.prefix_cache import PrefixCache, held_key
 from trioserve.state.sequence import Sequence, Status
 
 
@@ -131,8 +133,8 @@ class SchedulingPolicy:
             self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them
         missing = blocks_needed(seq.max_total, self.pool.block_size) - len(shared)
         short = missing - self.pool.num_free
-        if short > 0 and self.cache is not None and self.cache.idle_blocks() >= short:
-            self.cache.evict(short)  # only when that is enough: never empty the cache for nothing
+        if short > 0 and self.cache is not None:
+            self.cache.make_room(short)  # only when that is enough: never empty the cache for nothing
         if self.pool.num_free < missing:
             self.pool.free_sequence(seq.id)
             return False
@@ -172,7 +174,12 @@ class SchedulingPolicy:
         of computed tokens stay in the prefix cache when ``remember``."""
         self.running.remove(seq)
         if remember and self.cache is not None:
-            self.cache.register(seq.history()[: seq.num_cached], self.pool.table(seq.id), self.clock())
+            now = self.clock()
+            computed = seq.history()[: seq.num_cached]
+            self.cache.register(computed, self.pool.table(seq.id), now)
+            if seq.retain is not None and reason in ("stop", "length"):
+                # Held for the owner until it settles the turn (see Scheduler.settle).
+                self.cache.pin(held_key(seq.retain), computed, now)
         self.pool.free_sequence(seq.id)
         if self.cache is not None:
             self.cache.trim(self.clock())  # its blocks are idle now, so the limits can take them

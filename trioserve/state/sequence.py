@@ -49,6 +49,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
+    retain: str | None = None  # owner (a session) that keeps this sequence's KV when it commits
 
     @property
     def num_tokens(self) -> int:

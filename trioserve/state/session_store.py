@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -65,7 +65,17 @@ class Turn:
 
 
 class SessionStore:
-    def __init__(self, *, max_sessions: int = 1024, idle_s: float | None = None, max_history_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 1024,
+        idle_s: float | None = None,
+        max_history_bytes: int | None = None,
+        on_remove: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_remove(session_id)`` is told of every session that goes
+        (deleted or evicted), so what is kept for it elsewhere can go too."""
+        self.on_remove = on_remove
         self.max_sessions = max_sessions
         self.idle_s = idle_s
         self.max_history_bytes = max_history_bytes
@@ -105,7 +115,7 @@ class SessionStore:
         session = self.get(session_id, now)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} has a turn running; delete it after the turn ends")
-        del self._sessions[session_id]
+        self._remove(session_id)
 
     def begin(self, session_id: str, now: float) -> Session:
         """Pin the session for a turn."""
@@ -130,12 +140,16 @@ class SessionStore:
         self._touch(session, now)
         self._enforce_count()
 
-    def cancel(self, session: Session, now: float) -> None:
-        """The turn ended without a final response: nothing changes."""
-        if session.busy:
-            session.busy = False
-            self.cancelled += 1
+    def cancel(self, session: Session, now: float) -> bool:
+        """The turn ended without a final response: nothing changes. False
+        when there was no turn to cancel (it committed, or was cancelled)."""
+        if not session.busy:
+            return False
+        session.busy = False
+        self.cancelled += 1
+        if session.id in self._sessions:
             self._touch(session, now)
+        return True
 
     def expire(self, now: float) -> None:
         if self.idle_s is None:
@@ -145,8 +159,13 @@ class SessionStore:
             if now - session.last_used <= self.idle_s:
                 break  # the rest were used more recently
             if not session.busy:
-                del self._sessions[sid]
+                self._remove(sid)
                 self.evicted += 1
+
+    def _remove(self, session_id: str) -> None:
+        del self._sessions[session_id]
+        if self.on_remove is not None:
+            self.on_remove(session_id)
 
     def _touch(self, session: Session, now: float) -> None:
         session.last_used = now
@@ -164,7 +183,7 @@ class SessionStore:
             session = self._sessions[sid]
             if not session.busy:
                 total -= session.history_bytes() if self.max_history_bytes is not None else 0
-                del self._sessions[sid]
+                self._remove(sid)
                 self.evicted += 1
 
     def stats(self) -> dict[str, int]:
