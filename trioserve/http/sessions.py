@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import aclosing
 
 import attrs
 import trio
@@ -133,7 +134,11 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             engine.settle_retained(session.id, commit=True)  # its KV is the session's now
 
         def release() -> None:
-            if store.cancel(session, trio.current_time()):  # False once committed
+            # Runs once the response is over, and perhaps again from the
+            # garbage collector's finalizer, possibly after trio has stopped.
+            if not session.busy:
+                return  # committed, or released already
+            if store.cancel(session, _now(session.last_used)):
                 engine.settle_retained(session.id, commit=False)
 
         job.on_final = commit
@@ -157,14 +162,25 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
     return store
 
 
+def _now(fallback: float) -> float:
+    """The store's clock (trio's), or ``fallback`` outside a trio run."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return fallback
+
+
 def _with_seed(params, seed: int):
     return attrs.evolve(params, seed=seed)
 
 
 async def _then(body, after):
+    """``body``'s chunks, then ``after()``, however the body ends; closing
+    this generator closes ``body`` too (its engine request with it)."""
     try:
-        async for chunk in body:
-            yield chunk
+        async with aclosing(body):
+            async for chunk in body:
+                yield chunk
     finally:
         after()
 
