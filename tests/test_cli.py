@@ -169,3 +169,19 @@ def test_generate_prints_exactly_the_models_greedy_reply(tiny_checkpoints):
     reason = result.finish_reason
     assert lines[-1] == f"[{len(prompt_ids)} prompt tokens, {len(result.token_ids)} generated, finish: {reason}]"
     assert len(lines) == len(progress) + 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefix-cache-bytes", "lots"], "argument --prefix-cache-bytes: must be a size like 512MiB or 2GiB, got 'lots'"),
+        (["--max-sessions", "0"], "argument --max-sessions: must be a positive integer, got 0"),
+        (["--session-idle", "-5"], "argument --session-idle: must be between 0.001 and 1e+09, got -5.0"),
+    ],
+)
+def test_bad_serve_limits_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", *args])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("trioserve serve: error: " + message), last

@@ -70,3 +70,19 @@ def test_prefix_cache_flag_from_env():
     assert settings_from_env({}).engine.prefix_cache is True
     with pytest.raises(ValueError, match="TRIOSERVE_PREFIX_CACHE: must be true or false"):
         settings_from_env({"TRIOSERVE_PREFIX_CACHE": "maybe"})
+
+
+def test_prefix_cache_limit_is_the_fewer_blocks_of_count_and_bytes():
+    from trioserve.config import EngineConfig
+    from trioserve.engine import prefix_cache_blocks
+
+    per_token = 1000  # bytes of KV per token; blocks of 16 tokens are 16000 bytes
+    assert prefix_cache_blocks(EngineConfig(), per_token) is None
+    assert prefix_cache_blocks(EngineConfig(prefix_cache_max_blocks=7), per_token) == 7
+    assert prefix_cache_blocks(EngineConfig(prefix_cache_max_bytes=50_000), per_token) == 3
+    assert prefix_cache_blocks(EngineConfig(prefix_cache_max_blocks=2, prefix_cache_max_bytes=50_000), per_token) == 2
+    assert prefix_cache_blocks(EngineConfig(prefix_cache_max_bytes=100), per_token) == 0  # keeps no idle block
+    s = settings_from_env({"TRIOSERVE_PREFIX_CACHE_BYTES": "1MiB"})
+    assert s.engine.prefix_cache_max_bytes == 1 << 20
+    with pytest.raises(ValueError, match="TRIOSERVE_PREFIX_CACHE_BYTES: must be a size"):
+        settings_from_env({"TRIOSERVE_PREFIX_CACHE_BYTES": "plenty"})

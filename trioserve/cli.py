@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-budget", type=_positive_int, default=512, help="tokens per engine step (default 512)")
     srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV blocks between requests with the same prompt prefix")
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
+    srv.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, help="most KV memory the prefix cache keeps for idle blocks, e.g. 64MiB (default: as much as fits)")
     srv.add_argument("--prefix-cache-idle", type=_positive_float, default=None, help="seconds an unused cached block is kept (default: until room is needed)")
     srv.add_argument("--max-sessions", type=_positive_int, default=1024, help="sessions kept at once; idle ones beyond go least recently used first (default 1024)")
     srv.add_argument("--session-idle", type=_positive_float, default=3600.0, help="seconds an idle session is kept (default 3600)")
@@ -165,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_budget=args.prefill_budget,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_max_blocks=args.prefix_cache_max_blocks,
+        prefix_cache_max_bytes=args.prefix_cache_bytes,
         prefix_cache_idle_s=args.prefix_cache_idle,
     )
     settings = ServerSettings(

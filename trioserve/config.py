@@ -34,7 +34,9 @@ class EngineConfig:
     channel_size: bound of each actor's inbox.
     prefix_cache: share KV blocks of identical prompt prefixes; idle cached
     blocks are evicted LRU when admission needs room, beyond
-    prefix_cache_max_blocks, or after prefix_cache_idle_s without use."""
+    prefix_cache_max_blocks or prefix_cache_max_bytes (whichever is
+    fewer blocks), or after prefix_cache_idle_s without use. Blocks that
+    sessions keep pinned are outside these limits."""
 
     model: str = "smollm2"
     dtype: str = "auto"
@@ -50,6 +52,7 @@ class EngineConfig:
     retry_after_s: float = 1.0
     prefix_cache: bool = True
     prefix_cache_max_blocks: int | None = attrs.field(default=None, validator=_positive)
+    prefix_cache_max_bytes: int | None = attrs.field(default=None, validator=_positive)
     prefix_cache_idle_s: float | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
@@ -125,6 +128,7 @@ _ENV = {
     "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
     "TRIOSERVE_PREFIX_CACHE": ("engine.prefix_cache", _flag),
     "TRIOSERVE_PREFIX_CACHE_MAX_BLOCKS": ("engine.prefix_cache_max_blocks", int),
+    "TRIOSERVE_PREFIX_CACHE_BYTES": ("engine.prefix_cache_max_bytes", parse_byte_size),
     "TRIOSERVE_PREFIX_CACHE_IDLE": ("engine.prefix_cache_idle_s", float),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),

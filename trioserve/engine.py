@@ -179,7 +179,7 @@ async def open_engine(
     pool = BlockPool(num_blocks, config.block_size)
     prefixes = None
     if config.prefix_cache:
-        prefixes = PrefixCache(pool, max_blocks=config.prefix_cache_max_blocks, idle_s=config.prefix_cache_idle_s)
+        prefixes = PrefixCache(pool, max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()), idle_s=config.prefix_cache_idle_s)
     policy = SchedulingPolicy(
         pool,
         max_num_seqs=config.max_num_seqs,
@@ -203,6 +203,16 @@ async def open_engine(
         finally:
             inbox_send.close()
             nursery.cancel_scope.cancel()
+
+
+def prefix_cache_blocks(config: EngineConfig, kv_bytes_per_token: int) -> int | None:
+    """The prefix cache's block limit: the fewer of its count and byte limits."""
+    limits = []
+    if config.prefix_cache_max_blocks is not None:
+        limits.append(config.prefix_cache_max_blocks)
+    if config.prefix_cache_max_bytes is not None:
+        limits.append(config.prefix_cache_max_bytes // (kv_bytes_per_token * config.block_size))
+    return min(limits) if limits else None
 
 
 def collect_text(events: list[Event]) -> str:
