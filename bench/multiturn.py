@@ -1,30 +1,30 @@
-"""Multi-turn chat, in process: time to first token per turn with the prefix
-cache on and off, on the default model through the real actors.
+"""Multi-turn chat through the real HTTP server: time to first token per turn
+for sessions, for stateless requests with the prefix cache, and with the
+cache off, on the default model.
 
     .venv/bin/python bench/multiturn.py [--sessions 10] [--turns 8] [--max-tokens 32] [--threads N]
 
-This is the stateless-with-prefix-cache part of the sessions benchmark
-(the /v1/sessions variant, where the server keeps the conversation, is not
-measured here yet): every turn resends the whole conversation so far
-(a system message, then alternating user and assistant messages, the
-assistant's being the model's own earlier replies) rendered through the
-model's chat template, plus a new user message of ~20 words unique to its
-conversation and turn. Replies are greedy, ``--max-tokens`` long, EOS
-ignored, so histories grow steadily. The conversations run concurrently
-(each one's turns in order).
+Each conversation has a system message and, every turn, a new user message
+of ~20 words unique to its conversation and turn; replies are greedy,
+``--max-tokens`` long, EOS ignored, so histories grow steadily. The
+conversations run concurrently (each one's turns in order), in three modes,
+each on a fresh server (127.0.0.1, a free port) over the same loaded
+checkpoint:
 
-The same conversations run twice, each on a fresh engine (the checkpoint is
-loaded once): with EngineConfig(prefix_cache=True), then with
-prefix_cache=False. Prompt tokens per turn are each request's own prompt
-length (the engine's prompt counters are engine-wide and the conversations
-overlap); the prefix-cache hit rate is the engine-wide one of the cache-on
-run, its warm-up excluded.
+- sessions: POST /v1/sessions once, then POST /v1/sessions/{id}/turns with
+  only the new message; the server keeps the history and its KV;
+- stateless: POST /v1/chat/completions with the whole conversation so far
+  (the model's own earlier replies included), prefix cache on;
+- no cache: the same stateless requests, server started with the prefix
+  cache off.
 
-Prints a table (turn, mean prompt tokens, mean TTFT with and without the
-cache, their ratio), the hit rate, then as its last line one JSON object:
-{"ttft_ms": {"cache": [per-turn means], "no_cache": [...]}, "turn8_ratio": x}
-where turn8_ratio is TTFT with / without the cache at turn 8 (at the last
-turn when --turns is below 8).
+TTFT is measured by the client: from sending the streamed request to the
+first chunk carrying a token. Prompt tokens per turn come from each
+response's usage. Prints a table (turn, mean prompt tokens, mean TTFT per
+mode, ratios to no cache), then as its last line one JSON object:
+{"ttft_ms": {"sessions": [...], "stateless": [...], "no_cache": [...]},
+ "turn8_ratio": {"sessions": x, "stateless": y}} (at the last turn when
+--turns is below 8).
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ import json
 import os
 import platform
 import random
+import time
 
+import attrs
+import httpx
 import torch
 import trio
 
-from trioserve.actors.messages import FinalEvent, GenerateRequest, TokenEvent
-from trioserve.config import MIB, EngineConfig
-from trioserve.engine import open_engine, resolve_dtype
-from trioserve.models.chat_template import ChatTemplate
+from trioserve.config import MIB, EngineConfig, ServerSettings
+from trioserve.engine import resolve_dtype
+from trioserve.http.serve import serve_app
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
-from trioserve.models.sampling import SamplingParams
 
 SYSTEM = "You are a helpful assistant. Answer briefly and stay on the topic the user raises."
 USER_WORDS = 20
@@ -57,6 +57,7 @@ WORDS = (
     "history science music weather ocean planet garden recipe journey museum festival "
     "village station theater question answer number letter story picture memory"
 ).split()
+MODES = ("sessions", "stateless", "no_cache")
 
 
 def user_message(session: int, turn: int) -> str:
@@ -66,73 +67,89 @@ def user_message(session: int, turn: int) -> str:
     return f"Conversation {session}, turn {turn}: {words}?"
 
 
-async def conversation(engine, template: ChatTemplate, session: int, turns: int, max_tokens: int, out: list) -> None:
-    """Run one conversation's turns in order; append (prompt tokens, TTFT s, prompt ids) per turn to ``out``."""
+async def streamed(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, float, int]:
+    """POST a streamed request: (reply text, seconds to the first token, prompt tokens)."""
+    start = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    usage = None
+    async with client.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{path}: {response.status_code} {(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise RuntimeError(f"{path}: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                content = choice["delta"].get("content")
+                if content is not None and "role" not in choice["delta"]:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(content)
+    if ttft is None or usage is None:
+        raise RuntimeError(f"{path}: the stream ended without a token or usage")
+    return "".join(text), ttft, usage["prompt_tokens"]
+
+
+async def conversation(client, mode: str, session: int, turns: int, max_tokens: int, out: list) -> None:
+    """One conversation's turns in order; appends (prompt tokens, TTFT s) per turn to ``out``."""
+    settings = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+    sid = None
+    if mode == "sessions":
+        created = await client.post("/v1/sessions", json={"system": SYSTEM, **settings})
+        created.raise_for_status()
+        sid = created.json()["id"]
     messages = [{"role": "system", "content": SYSTEM}]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for turn in range(turns):
-        messages.append({"role": "user", "content": user_message(session, turn)})
-        prompt = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
-        text, ttft = [], None
-        async for event in engine.generate(GenerateRequest(prompt, params, request_id=f"s{session}-t{turn}")):
-            if isinstance(event, TokenEvent):
-                text.append(event.text)
-            elif isinstance(event, FinalEvent):
-                if event.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"session {session} turn {turn}: {event.finish_reason}: {event.error}")
-                text.append(event.text)
-                ttft = event.timings.ttft_s
-        out.append((len(prompt), ttft, tuple(prompt)))
-        messages.append({"role": "assistant", "content": "".join(text)})
+        question = {"role": "user", "content": user_message(session, turn)}
+        if sid is not None:
+            reply, ttft, prompt = await streamed(client, f"/v1/sessions/{sid}/turns", {"messages": [question]})
+        else:
+            messages.append(question)
+            reply, ttft, prompt = await streamed(client, "/v1/chat/completions", {"messages": messages, **settings})
+            messages.append({"role": "assistant", "content": reply})
+        out.append((prompt, ttft))
 
 
-async def one_run(args, checkpoint, model, prefix_cache: bool) -> dict:
-    config = EngineConfig(
+async def one_mode(args, checkpoint, mode: str) -> dict:
+    engine = EngineConfig(
         model=args.model,
         max_num_seqs=max(args.sessions, 1),
         prefill_budget=max(512, args.sessions + 1),
         kv_cache_bytes=args.kv_cache_mib * MIB,
-        prefix_cache=prefix_cache,
+        prefix_cache=mode != "no_cache",
     )
-    async with open_engine(config, checkpoint=checkpoint, model=model) as engine:
-        tok = engine.tokenizer
-        template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
-        # Warm-up: one unrelated request (shares no prefix with the conversations).
-        warm = tok.encode("The quick brown fox jumps over the lazy dog. " * 12)
-        async for _ in engine.generate(GenerateRequest(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))):
-            pass
-        before = engine.statistics()
-        per_session: list[list] = [[] for _ in range(args.sessions)]
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for s in range(args.sessions):
-                nursery.start_soon(conversation, engine, template, s, args.turns, args.max_tokens, per_session[s])
-        elapsed = trio.current_time() - start
-        after = engine.statistics()
-    hit_rate = None
-    if after.prefix is not None:
-        queried = after.prefix.query_tokens - before.prefix.query_tokens
-        hit = after.prefix.hit_tokens - before.prefix.hit_tokens
-        hit_rate = hit / queried if queried else 0.0
-    return {
-        "sessions": per_session,
-        "seconds": elapsed,
-        "prefilled": after.prompt_tokens - before.prompt_tokens,
-        "hit_rate": hit_rate,
-    }
+    settings = attrs.evolve(ServerSettings(engine=engine), host="127.0.0.1", port=0, log_level="warning")
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(lambda task_status: serve_app(settings, checkpoint=checkpoint, task_status=task_status))
+        url = next(u for u in urls if u.startswith("http://127.0.0.1:"))
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+            # Warm-up: one unrelated request (it shares no prefix with the conversations).
+            warm = {"prompt": "The quick brown fox jumps over the lazy dog. " * 12, "max_tokens": 4, "ignore_eos": True}
+            (await client.post("/v1/completions", json=warm)).raise_for_status()
+            per_session: list[list] = [[] for _ in range(args.sessions)]
+            start = time.perf_counter()
+            async with trio.open_nursery() as conversations:
+                for s in range(args.sessions):
+                    conversations.start_soon(conversation, client, mode, s, args.turns, args.max_tokens, per_session[s])
+            elapsed = time.perf_counter() - start
+            stats = (await client.get("/metrics")).json()
+        nursery.cancel_scope.cancel()
+    return {"sessions": per_session, "seconds": elapsed, "prefix": stats["prefix_cache"], "prompt_tokens": stats["prompt_tokens"]}
 
 
 def per_turn(run: dict, turns: int, index: int) -> list[float]:
-    """Mean over sessions of field ``index`` of each turn."""
+    """Mean over conversations of field ``index`` of each turn."""
     return [sum(s[t][index] for s in run["sessions"]) / len(run["sessions"]) for t in range(turns)]
 
 
 async def main_async(args) -> dict:
     checkpoint = await trio.to_thread.run_sync(lambda: load_checkpoint(args.model, dtype=resolve_dtype("auto")))
-    model = await trio.to_thread.run_sync(lambda: LlamaModel.from_checkpoint(checkpoint, use_int4=True, device="cpu"))
-    cache = await one_run(args, checkpoint, model, prefix_cache=True)
-    no_cache = await one_run(args, checkpoint, model, prefix_cache=False)
-    return {"cache": cache, "no_cache": no_cache}
+    return {mode: await one_mode(args, checkpoint, mode) for mode in MODES}
 
 
 def main() -> None:
@@ -150,39 +167,27 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"{args.sessions} sessions x {args.turns} turns, {args.max_tokens} tokens per reply"
+        f"{args.sessions} conversations x {args.turns} turns, {args.max_tokens} tokens per reply"
     )
     runs = trio.run(main_async, args)
-    cache, no_cache = runs["cache"], runs["no_cache"]
-    prompt_tokens = per_turn(cache, args.turns, 0)
-    raw_cache, raw_none = per_turn(cache, args.turns, 1), per_turn(no_cache, args.turns, 1)
-    ratios = [c / n if n else float("nan") for c, n in zip(raw_cache, raw_none, strict=True)]
-    ttft_cache = [round(v * 1000, 1) for v in raw_cache]
-    ttft_none = [round(v * 1000, 1) for v in raw_none]
-    print("| turn | mean prompt tokens | mean TTFT ms (cache) | mean TTFT ms (no cache) | ratio cache/no cache |")
-    print("|---|---|---|---|---|")
+    ttft = {mode: [round(v * 1000, 1) for v in per_turn(runs[mode], args.turns, 1)] for mode in MODES}
+    prompts = {mode: per_turn(runs[mode], args.turns, 0) for mode in MODES}
+    none = ttft["no_cache"]
+    print("| turn | mean prompt tokens | TTFT ms sessions | TTFT ms stateless + cache | TTFT ms no cache | sessions / no cache | stateless / no cache |")
+    print("|---|---|---|---|---|---|---|")
     for t in range(args.turns):
-        print(f"| {t + 1} | {prompt_tokens[t]:.1f} | {ttft_cache[t]:.1f} | {ttft_none[t]:.1f} | {ratios[t]:.2f} |")
-    print(f"# prefix-cache hit rate (cache run, engine-wide): {cache['hit_rate']:.1%}")
-    print(
-        f"# prompt tokens prefilled: {cache['prefilled']} with the cache, {no_cache['prefilled']} without; "
-        f"wall time {cache['seconds']:.1f} s with, {no_cache['seconds']:.1f} s without"
-    )
-    # Greedy replies may still differ between the runs: which requests share
-    # a step depends on timing, and with the cache only a prompt's uncached
-    # tail is computed, so the step shapes differ and rounding with them.
-    # From the first differing reply on, that conversation's prompts differ.
-    diverged = {}
-    for s, (sa, sb) in enumerate(zip(cache["sessions"], no_cache["sessions"], strict=True)):
-        turns = [t for t, (a, b) in enumerate(zip(sa, sb, strict=True)) if a[2] != b[2]]
-        if turns:
-            diverged[s] = turns
-    if diverged:
-        where = ", ".join(f"session {s} from turn {turns[0] + 1}" for s, turns in diverged.items())
-        count = sum(len(turns) for turns in diverged.values())
-        print(f"# note: {count} of {args.sessions * args.turns} prompts differ between the runs (replies diverged: {where})")
+        print(
+            f"| {t + 1} | {prompts['sessions'][t]:.1f} | {ttft['sessions'][t]:.1f} | {ttft['stateless'][t]:.1f} | {none[t]:.1f} "
+            f"| {ttft['sessions'][t] / none[t]:.2f} | {ttft['stateless'][t] / none[t]:.2f} |"
+        )
+    for mode in MODES:
+        run = runs[mode]
+        p = run["prefix"]
+        hits = f", prefix-cache hit rate {p['hit_rate']:.1%}" if p else ""
+        print(f"# {mode}: wall {run['seconds']:.1f} s, prompt tokens prefilled {run['prompt_tokens']}{hits}")
     last = min(8, args.turns) - 1
-    print(json.dumps({"ttft_ms": {"cache": ttft_cache, "no_cache": ttft_none}, "turn8_ratio": round(ratios[last], 3)}))
+    ratios = {mode: round(ttft[mode][last] / none[last], 3) for mode in ("sessions", "stateless")}
+    print(json.dumps({"ttft_ms": ttft, "turn8_ratio": ratios}))
 
 
 if __name__ == "__main__":

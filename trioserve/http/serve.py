@@ -41,14 +41,16 @@ async def _drain_on_signal(app, settings: ServerSettings) -> None:
             await trio.sleep(0.05)
 
 
-async def serve_app(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_app(settings: ServerSettings, *, checkpoint=None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load the checkpoint (with progress), then serve it. A checkpoint that
-    cannot be loaded raises CheckpointError before anything binds."""
-    progress = ProgressBar("Loading weights")
-    checkpoint = await trio.to_thread.run_sync(
-        lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype), progress=progress)
-    )
-    progress.finish(f" ({checkpoint.path})")
+    cannot be loaded raises CheckpointError before anything binds. A
+    ``checkpoint`` already loaded (benchmarks serving it twice) is used as is."""
+    if checkpoint is None:
+        progress = ProgressBar("Loading weights")
+        checkpoint = await trio.to_thread.run_sync(
+            lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype), progress=progress)
+        )
+        progress.finish(f" ({checkpoint.path})")
     app = create_app(settings, checkpoint=checkpoint)
     config = HypercornConfig()
     config.bind = [f"{settings.host}:{settings.port}"]
