@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
     srv.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, help="most KV memory the prefix cache keeps for idle blocks, e.g. 64MiB (default: as much as fits)")
     srv.add_argument("--prefix-cache-idle", type=_positive_float, default=None, help="seconds an unused cached block is kept (default: until room is needed)")
+    srv.add_argument("--reasoning-parser", choices=("auto", "on", "off"), default="auto", help="split <think>...</think> into reasoning_content (auto: when the tokenizer has <think> as one token)")
     srv.add_argument("--max-sessions", type=_positive_int, default=1024, help="sessions kept at once; idle ones beyond go least recently used first (default 1024)")
     srv.add_argument("--session-idle", type=_positive_float, default=3600.0, help="seconds an idle session is kept (default 3600)")
     srv.add_argument("--session-history-bytes", type=_byte_size, default="64MiB", help="total history text all sessions may keep (default 64MiB)")
@@ -182,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         session_idle_s=args.session_idle,
         session_history_bytes=args.session_history_bytes,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level,
     )
     return run_server(settings)

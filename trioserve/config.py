@@ -74,7 +74,9 @@ class ServerSettings:
     write_timeout_s: a response write that does not complete in this time
     (a client that stopped reading) cancels the request.
     default_max_tokens: the cap on max_tokens for requests that send none
-    (they also never reserve more than the rest of the context or the pool)."""
+    (they also never reserve more than the rest of the context or the pool).
+    reasoning_parser: split <think>...</think> into reasoning_content: "on",
+    "off", or "auto" (on when the tokenizer has <think> as one token)."""
 
     engine: EngineConfig = EngineConfig()
     host: str = "127.0.0.1"
@@ -88,6 +90,7 @@ class ServerSettings:
     max_sessions: int = attrs.field(default=1024, validator=_positive)
     session_idle_s: float | None = attrs.field(default=3600.0, validator=_positive)
     session_history_bytes: int | None = attrs.field(default=64 * MIB, validator=_positive)
+    reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     log_level: str = "info"
 
 
@@ -137,6 +140,7 @@ _ENV = {
     "TRIOSERVE_WRITE_TIMEOUT": ("write_timeout_s", float),
     "TRIOSERVE_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
     "TRIOSERVE_MAX_SESSIONS": ("max_sessions", int),
+    "TRIOSERVE_REASONING_PARSER": ("reasoning_parser", str),
     "TRIOSERVE_SESSION_IDLE": ("session_idle_s", float),
     "TRIOSERVE_SESSION_HISTORY_BYTES": ("session_history_bytes", parse_byte_size),
 }

@@ -50,12 +50,13 @@ class Engine:
         """The latest frozen snapshot the scheduler published."""
         return self._scheduler.snapshot
 
-    def settle_retained(self, owner: str, *, commit: bool) -> None:
-        """An owner's turn ended: ``commit`` makes the KV held for it since
-        its request finished (see GenerateRequest.retain) the owner's, in
-        place of what it kept before; otherwise that held KV is let go.
-        Takes effect before the scheduler admits anything further."""
-        self._scheduler.settle(owner, "commit" if commit else "cancel")
+    def settle_retained(self, owner: str, request_id: str, *, commit: bool) -> None:
+        """An owner's turn (request ``request_id``, submitted with
+        retain=owner) ended: ``commit`` makes the KV held for it the
+        owner's, in place of what it kept before; otherwise that KV is let
+        go, now or when the request ends. Takes effect before the scheduler
+        admits anything further."""
+        self._scheduler.settle(owner, "commit" if commit else "cancel", request_id)
 
     def forget_retained(self, owner: str) -> None:
         """Let go of everything kept for ``owner`` (the session ended)."""

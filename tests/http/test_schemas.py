@@ -196,7 +196,6 @@ def test_unknown_fields_are_ignored() -> None:
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}], "extra": 1},
         ],
-        "parallel_tool_calls": False,
         "metadata": {"a": "b"},
         "service_tier": "auto",
     }
@@ -316,15 +315,27 @@ BAD_CHAT = [
     (chat(logprobs=False, top_logprobs=3), "top_logprobs", "needs logprobs to be true"),
     (chat(user=5), "user", "expected a string"),
     (chat(ignore_eos="yes"), "ignore_eos", "expected true or false"),
-    # features we do not offer
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tool calling is not supported"),
-    (chat(tool_choice="auto"), "tool_choice", "only 'none' is accepted"),
-    (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "not supported"),
-    (chat(functions=[{"name": "f"}]), "functions", "function calling is not supported"),
-    (chat(function_call="auto"), "function_call", "not supported"),
-    (chat(response_format={"type": "json_object"}), "response_format", "got type 'json_object'"),
-    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", 'only {"type": "text"}'),
-    (chat(response_format="text"), "response_format", 'only {"type": "text"} is supported'),
+    # tools and output constraints
+    (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name", "a function name is 1 to 64"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "tools[0].function.parameters", "expected a JSON object"),
+    (chat(tools=[{"type": "other", "function": {"name": "f"}}]), "tools[0].type", "must be one of 'function'"),
+    (chat(tools=[{"function": {"name": "f"}}, {"function": {"name": "f"}}]), "tools", "two tools have the same name"),
+    (chat(tool_choice="sometimes"), "tool_choice", "must be 'none', 'auto', 'required'"),
+    (chat(tool_choice="required"), "tool_choice", "'required' needs tools"),
+    (chat(tools=[{"function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", "no tool named 'g' (tools: f)"),
+    (chat(tool_choice={"type": "function"}), "tool_choice.function", "expected an object with the function's name"),
+    (chat(tool_choice={"type": "x", "function": {"name": "f"}}), "tool_choice.type", "must be 'function'"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]), "messages[0].tool_calls[0].function.arguments", "required"),
+    (chat(functions=[{"name": "f"}]), "functions", "send tools"),
+    (chat(function_call="auto"), "function_call", "send tool_choice"),
+    (chat(response_format={"type": "xml"}), "response_format.type", "must be one of 'text', 'json_object', 'json_schema'"),
+    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format.json_schema.schema", "expected a JSON schema"),
+    (chat(response_format="text"), "response_format", "expected an object"),
+    (chat(guided_choice=[]), "guided_choice", "expected a non-empty list of strings"),
+    (chat(guided_choice=["a", 3]), "guided_choice[1]", "expected a non-empty string"),
+    (chat(guided_regex="a+", guided_choice=["a"]), "guided_choice", "only one output constraint per request; guided_regex is already set"),
+    (chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "response_format is already set"),
+    (chat(tools=[{"function": {"name": "f"}}], tool_choice="required", guided_regex="a"), "guided_regex", "cannot be combined with a tool_choice that forces a call"),
 ]
 
 

@@ -337,28 +337,6 @@ def test_pin_stops_at_the_first_block_not_cached_and_replaces_the_old_pin():
     assert cache.pinned_tokens("s") == BS and cache.pinned_tokens("other") == 0
 
 
-def test_settle_commit_moves_the_held_pin_and_cancel_or_forget_let_go():
-    from trioserve.state.prefix_cache import held_key
-
-    pool, cache = new_cache(blocks=8)
-    a, b = put(pool, cache, "ab", A + B)
-    cache.pin("s", A, now=1.0)  # the last committed turn
-    cache.pin(held_key("s"), A + B, now=2.0)  # the next turn, finished
-    assert [pool.refcount(x) for x in (a, b)] == [3, 2]
-    cache.settle("s", "commit")
-    assert cache.pinned_tokens("s") == 2 * BS and cache.pinned_tokens(held_key("s")) == 0
-    assert [pool.refcount(x) for x in (a, b)] == [2, 2]
-    cache.pin(held_key("s"), A, now=3.0)
-    cache.settle("s", "cancel")  # the held turn goes, the committed pins stay
-    assert cache.pinned_tokens("s") == 2 * BS and [pool.refcount(x) for x in (a, b)] == [2, 2]
-    cache.pin(held_key("s"), A, now=4.0)
-    cache.settle("s", "forget")
-    assert [pool.refcount(x) for x in (a, b)] == [1, 1] and cache.stats().pinned_owners == 0
-    cache.settle("gone", "commit")  # nothing held: nothing happens
-    with pytest.raises(ValueError, match="unknown retention order"):
-        cache.settle("s", "keep")
-
-
 def test_make_room_takes_least_recently_pinned_owners_only_when_that_is_enough():
     pool, cache = new_cache(blocks=6)
     (a,) = put(pool, cache, "a", A)
@@ -612,8 +590,44 @@ def test_a_retaining_sequence_holds_its_blocks_only_when_it_ends_normally(make):
     cut.cancelled = True
     p.drop_cancelled()
     assert p.cache.pinned_tokens(held_key("other")) == 0  # a cancelled turn holds nothing
-    p.cache.settle("sess", "commit")
-    assert p.cache.pinned_tokens("sess") == 2 * BS
+    p.settle("sess", "commit", "not-done")  # a stale order for another request changes nothing
+    assert p.cache.pinned_tokens("sess") == 0 and p.cache.pinned_tokens(held_key("sess")) == 2 * BS
+    p.settle("sess", "commit", "done")
+    assert p.cache.pinned_tokens("sess") == 2 * BS and p.cache.pinned_tokens(held_key("sess")) == 0
+
+
+def test_settle_orders_cancel_and_forget_even_before_the_request_ends(make):
+    from trioserve.state.prefix_cache import held_key
+
+    p = policy(blocks=32)
+    first = make("t1", A + B + [1], 2)
+    first.retain = "s"
+    p.enqueue(first)
+    p.admit(0.0)
+    run_to_end(p, first)
+    p.settle("s", "commit", "t1")
+    kept = p.cache.pinned_tokens("s")
+    assert kept == 2 * BS
+
+    second = make("t2", A + B + C + [1], 2)
+    second.retain = "s"
+    p.enqueue(second)
+    p.admit(1.0)
+    p.settle("s", "cancel", "t2")  # the client left; the scheduler has not noticed yet
+    run_to_end(p, second)  # it ends normally all the same
+    assert p.cache.pinned_tokens(held_key("s")) == 0 and p.cache.pinned_tokens("s") == kept
+
+    third = make("t3", A + B + C + D + [1], 2)
+    third.retain = "s"
+    p.enqueue(third)
+    p.admit(2.0)
+    p.settle("s", "forget")  # the session was deleted meanwhile
+    run_to_end(p, third)
+    assert p.cache.stats().pinned_owners == 0 and p.held == {}
+    with pytest.raises(ValueError, match="unknown retention order"):
+        p.settle("s", "keep")
+    p.cache.clear()
+    assert p.pool.num_free == 32
 
 
 def test_finish_remembers_prompt_and_computed_output_tokens(make):

@@ -20,6 +20,7 @@ from quart import Response
 from trioserve.actors.messages import FinalEvent, GenerateRequest
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError, error_response, json_response, to_response
+from trioserve.models.output_parser import OutputParser
 from trioserve.models.sampling import SEED_LIMIT
 
 
@@ -45,17 +46,24 @@ class Connection:
         self.echo = echo
         self.draw_start = 0  # a session turn continues its random stream
         self.retain: str | None = None  # a session turn's KV is held for the session
+        # Makes each chat choice's output parser (tool calls, reasoning), or None.
+        self.parser_factory: Callable[[int], OutputParser | None] | None = None
         # Called with choice 0 right before its final response goes out
         # (the JSON body, or the last SSE chunk): a session commits there.
         self.on_final: Callable[[openai.Choice], None] | None = None
         self.id = openai.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.request_id = f"{self.id}-0"  # choice 0's engine request
         self.created = openai.now()
         self.model = state.model_name
 
     def _request(self, index: int) -> GenerateRequest:
         if index:
             return GenerateRequest(self.prompt_ids, seed_for(self.params, index))
-        return GenerateRequest(self.prompt_ids, self.params, draw_start=self.draw_start, retain=self.retain)
+        return GenerateRequest(self.prompt_ids, self.params, self.request_id, draw_start=self.draw_start, retain=self.retain)
+
+    def _choice(self, index: int) -> openai.Choice:
+        parser = self.parser_factory(index) if self.parser_factory is not None and self.kind == "chat" else None
+        return openai.Choice(index, parser)
 
     async def _run_choice(self, index: int, choice: openai.Choice) -> None:
         async with aclosing(self.engine.generate(self._request(index))) as events:
@@ -69,7 +77,7 @@ class Connection:
         return await self.collect()
 
     async def collect(self) -> Response:
-        choices = [openai.Choice(i) for i in range(self.n)]
+        choices = [self._choice(i) for i in range(self.n)]
         failure: list[Exception] = []
         try:
             async with trio.open_nursery() as nursery:
@@ -125,19 +133,20 @@ class Connection:
             elif self.echo:
                 for i in range(self.n):
                     yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self.prompt_text))
-            choice = openai.Choice(0)
+            choice = self._choice(0)
             async for event in events:
-                choice.add(event)
+                deltas = choice.add(event)
                 if isinstance(event, FinalEvent) and event.finish_reason != "error" and self.on_final is not None:
                     self.on_final(choice)
-                for chunk, done_tokens in self._render(0, event):
+                for chunk, done_tokens in self._render(choice, event, deltas):
                     completion_tokens += done_tokens
                     yield chunk
         for index in range(1, self.n):
             try:
                 async with aclosing(self.engine.generate(self._request(index))) as more:
+                    choice = self._choice(index)
                     async for event in more:
-                        for chunk, done_tokens in self._render(index, event):
+                        for chunk, done_tokens in self._render(choice, event, choice.add(event)):
                             completion_tokens += done_tokens
                             yield chunk
             except Exception as exc:  # noqa: BLE001 - refused or cut off after the stream began
@@ -149,23 +158,30 @@ class Connection:
             yield openai.sse(openai.usage_chunk(kind, self.id, self.created, self.model, len(self.prompt_ids), completion_tokens))
         yield openai.sse("[DONE]")
 
-    def _render(self, index: int, event):
+    def _render(self, choice: openai.Choice, event, deltas):
+        """SSE chunks for one event of ``choice``, whose certain output is
+        ``deltas``; each with the completion tokens it finishes."""
         tok = self.engine.tokenizer
+        index = choice.index
         if isinstance(event, FinalEvent):
             if event.finish_reason == "error":
                 _, body, _ = to_response(HTTPError(500, event.error or "generation failed", kind="server_error"))
                 yield openai.sse(body), event.usage.completion_tokens
                 return
             if self.kind == "chat":
-                if event.text:
-                    yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {"content": event.text})), 0
-                yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {}, event.finish_reason)), event.usage.completion_tokens
+                for delta in deltas:
+                    yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, openai.delta_body(delta))), 0
+                yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {}, choice.finish_reason)), event.usage.completion_tokens
             else:
                 yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, event.finish_reason)), event.usage.completion_tokens
             return
         if self.kind == "chat":
             lp = openai.chat_logprob_entries(tok, [event]) if self.logprobs else None
-            yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, {"content": event.text}, None, lp)), 0
+            bodies = [openai.delta_body(d) for d in deltas]
+            if not bodies and (choice.parser is None or lp is not None):
+                bodies = [{"content": ""}]  # every token has its chunk (and its logprobs) even while text is held back
+            for i, body in enumerate(bodies):
+                yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, body, None, lp if i == 0 else None)), 0
         else:
             lp = openai.completion_logprobs(tok, [event], 0) if self.logprobs else None
             yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, None, lp)), 0

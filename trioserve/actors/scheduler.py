@@ -50,11 +50,12 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.channels: dict[str, trio.MemorySendChannel] = {}
         self.wake = trio.Event()
-        # Owners' orders about retained KV: owner -> "commit" | "cancel" |
-        # "forget", latest wins. Written by `settle` from other tasks, applied
-        # at the top of every iteration, so an order can never be lost to a
-        # full inbox; the map is bounded by the number of owners.
-        self.retention: dict[str, str] = {}
+        # Owners' orders about retained KV: (owner, request id) -> "commit" |
+        # "cancel", and (owner, None) -> "forget". Written by `settle` from
+        # other tasks and applied in order at the top of every iteration,
+        # before admission, so an order is never lost to a full inbox; the
+        # map holds at most one entry per request submitted in the meantime.
+        self.retention: dict[tuple[str, str | None], str] = {}
         self.recorder = StatsRecorder()
         self.snapshot = self._freeze()
 
@@ -117,23 +118,19 @@ class Scheduler:
     def _reply(message: Submit, outcome: BaseException | None) -> bool:
         return deliver(message.reply, outcome)
 
-    def settle(self, owner: str, order: str) -> None:
+    def settle(self, owner: str, order: str, request_id: str | None = None) -> None:
         """Record an owner's order (called from other tasks, never blocks)."""
-        assert order in ("commit", "cancel", "forget"), order
-        if self.retention.get(owner) == "forget":
-            order = "forget"  # nothing after forgetting brings the pins back
-        self.retention[owner] = order
+        if order not in ("commit", "cancel", "forget"):
+            raise ValueError(f"unknown retention order {order!r}")
+        self.retention[(owner, None if order == "forget" else request_id)] = order
         self.wake.set()
 
     def _apply_retention(self) -> None:
-        cache = self.policy.cache
         orders, self.retention = self.retention, {}
-        if cache is None:
-            return
-        for owner, order in orders.items():
-            cache.settle(owner, order)
-        if orders:
-            cache.trim(trio.current_time())
+        for (owner, request_id), order in orders.items():
+            self.policy.settle(owner, order, request_id)
+        if orders and self.policy.cache is not None:
+            self.policy.cache.trim(trio.current_time())
 
     # -- the loop ----------------------------------------------------------
     async def steps(self) -> None:

@@ -26,7 +26,9 @@ from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
 from trioserve.http.sessions import add_session_routes
+from trioserve.http.tools import message_dict, render_prompt
 from trioserve.http.write_timeout import WriteTimeout
+from trioserve.models.output_parser import THINK_OPEN, OutputParser
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.progress import ProgressBar
@@ -46,6 +48,15 @@ class ServerState:
         self.requests = None  # the WriteTimeout middleware, which counts HTTP requests in flight
         self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
         self.sessions = None  # the SessionStore, made with the session routes
+        self.reasoning = False  # split <think> reasoning out of replies
+
+    def parsers(self, job, tools, choice) -> None:
+        """Give ``job``'s chat choices an output parser when there is
+        anything to split out: tool calls (tools offered) or reasoning."""
+        calls = bool(tools) and (choice is None or choice.mode != "none")
+        if calls or self.reasoning:
+            suffix = job.id.rsplit("-", 1)[-1][:12]
+            job.parser_factory = lambda i: OutputParser(tools=calls, reasoning=self.reasoning, call_id_prefix=f"call_{suffix}{i}")
 
     def ready(self) -> Engine:
         if self.phase == "draining":
@@ -61,6 +72,8 @@ async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
         async with open_engine(state.settings.engine, checkpoint=state.checkpoint, progress=progress) as engine:
             tok = engine.tokenizer
             state.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+            mode = state.settings.reasoning_parser
+            state.reasoning = mode == "on" or (mode == "auto" and len(tok.encode(THINK_OPEN, add_bos=False)) == 1)
             state.engine = engine
             state.phase = "ok"
             task_status.started()
@@ -177,12 +190,13 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             req = parse_chat_request(await _body(settings.max_body_bytes))
             _check_model(state, req.model)
             _check_n(engine, req.n)
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt_ids = engine.tokenizer.encode(state.template.render(messages, add_generation_prompt=True))
+            messages = [message_dict(m) for m in req.messages]
+            prompt_ids = engine.tokenizer.encode(render_prompt(state.template, messages, req.tools, req.tool_choice))
             params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         job = Connection(state, engine, "chat", prompt_ids, params, req.n, req.logprobs, prompt_text="", echo=False)
+        state.parsers(job, req.tools, req.tool_choice)
         return await job.respond(req.stream, req.stream_options)
 
     @app.route("/v1/completions", methods=["POST"])

@@ -13,6 +13,7 @@ import attrs
 
 from trioserve import __version__
 from trioserve.actors.messages import FinalEvent, TokenEvent
+from trioserve.models.output_parser import Delta, Parsed, ToolCall
 from trioserve.models.tokenizer import Tokenizer
 
 FINGERPRINT = f"trioserve-{__version__}"
@@ -38,24 +39,68 @@ def _finite(x: float) -> float:
 
 @attrs.define
 class Choice:
-    """One choice's output, accumulated from its events."""
+    """One choice's output, accumulated from its events. With a ``parser``
+    the text is split into content, reasoning and tool calls as it comes."""
 
     index: int
+    parser: OutputParser | None = None
     text: list[str] = attrs.field(factory=list)
     tokens: list[TokenEvent] = attrs.field(factory=list)
     final: FinalEvent | None = None
 
-    def add(self, event) -> None:
+    def add(self, event) -> list[Delta]:
+        """Take one event; return the output it made certain."""
         if isinstance(event, TokenEvent):
             self.tokens.append(event)
-            self.text.append(event.text)
         else:
             self.final = event
-            self.text.append(event.text)
+        self.text.append(event.text)
+        if self.parser is None:
+            return [Delta(content=event.text)] if event.text else []
+        deltas = self.parser.feed(event.text)
+        if isinstance(event, FinalEvent):
+            deltas += self.parser.finish()
+        return deltas
 
     @property
     def content(self) -> str:
+        """The raw text the model produced (tags and all)."""
         return "".join(self.text)
+
+    def parsed(self) -> Parsed:
+        return self.parser.result() if self.parser is not None else Parsed(self.content, "", ())
+
+    @property
+    def finish_reason(self) -> str:
+        """"tool_calls" when calls end a turn that stopped by itself; a cut
+        (length) stays a cut even if a call was recovered from it."""
+        reason = self.final.finish_reason
+        return "tool_calls" if reason == "stop" and self.parsed().tool_calls else reason
+
+    def message(self) -> dict:
+        """The assistant message: content, reasoning_content and tool_calls."""
+        parsed = self.parsed()
+        out: dict = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            out["content"] = parsed.content if parsed.content.strip() else None
+            out["tool_calls"] = [tool_call_body(c) for c in parsed.tool_calls]
+        if parsed.reasoning:
+            out["reasoning_content"] = parsed.reasoning
+        return out
+
+
+def tool_call_body(call: ToolCall, *, with_index: bool = False) -> dict:
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **body} if with_index else body
+
+
+def delta_body(delta: Delta) -> dict:
+    """A chat chunk's delta for one piece of parsed output."""
+    if delta.tool_call is not None:
+        return {"tool_calls": [tool_call_body(delta.tool_call, with_index=True)]}
+    if delta.reasoning:
+        return {"reasoning_content": delta.reasoning}
+    return {"content": delta.content}
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -103,9 +148,9 @@ def chat_body(response_id: str, created: int, model: str, choices: Sequence[Choi
     body["choices"] = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.content},
+            "message": c.message(),
             "logprobs": {"content": chat_logprob_entries(tokenizer, c.tokens)} if logprobs else None,
-            "finish_reason": c.final.finish_reason,
+            "finish_reason": c.finish_reason,
         }
         for c in choices
     ]

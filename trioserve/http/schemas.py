@@ -11,9 +11,9 @@ starts with that path: ``messages[1].content: expected a string or a list of
 content parts, got 5``.
 
 A feature the server does not offer is refused by name rather than ignored:
-tools, tool_choice other than "none", functions, function_call other than
-"none", response_format other than {"type": "text"}, suffix, best_of other
-than 1 or n, completion logprobs above 5, stream_options without stream.
+functions, function_call other than "none" (send tools), suffix, best_of
+other than 1 or n, completion logprobs above 5, stream_options without
+stream, more than one output constraint (response_format, guided_*).
 
 `sampling_params` maps a request onto the engine's `SamplingParams`.
 """
@@ -21,6 +21,7 @@ than 1 or n, completion logprobs above 5, stream_options without stream.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
@@ -330,6 +331,75 @@ def _parse_logit_bias(value: object, _: cattrs.Converter) -> dict[int, float] | 
     return biases
 
 
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_GUIDED_CHOICES = 256
+
+
+def _function_name(value: str) -> None:
+    if not _FUNCTION_NAME.fullmatch(value):
+        raise _Invalid(f"a function name is 1 to 64 letters, digits, '_', '.' or '-', got {_short(value)}")
+
+
+def _parse_json_object(value: object, _: cattrs.Converter) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected a JSON object, got {_got(value)}")
+    return value
+
+
+def _parse_tool_choice(value: object, _: cattrs.Converter) -> ToolChoice | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise _Invalid(f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {_got(value)}")
+        return ToolChoice(value)
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected a string or an object, got {_got(value)}")
+    if value.get("type") != "function":
+        raise _Invalid(f"must be 'function', got {_got(value.get('type'))}", at="type")
+    function = value.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise _Invalid("expected an object with the function's name", at="function")
+    return ToolChoice("function", function["name"])
+
+
+def _parse_response_format(value: object, _: cattrs.Converter) -> ResponseFormat | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected an object, got {_got(value)}")
+    kind = value.get("type")
+    if kind in ("text", "json_object"):
+        return ResponseFormat(kind)
+    if kind != "json_schema":
+        raise _Invalid(f"must be one of 'text', 'json_object', 'json_schema', got {_got(kind)}", at="type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _Invalid(f"expected an object with the schema, got {_got(spec)}", at="json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict | bool):
+        raise _Invalid(f"expected a JSON schema (an object), got {_got(schema)}", at="json_schema.schema")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _Invalid(f"expected a string, got {_got(name)}", at="json_schema.name")
+    return ResponseFormat("json_schema", schema, name)
+
+
+def _parse_choices(value: object, _: cattrs.Converter) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise _Invalid(f"expected a non-empty list of strings, got {_got(value)}")
+    if len(value) > MAX_GUIDED_CHOICES:
+        raise _Invalid(f"at most {MAX_GUIDED_CHOICES} choices are allowed, got {len(value)}")
+    for i, text in enumerate(value):
+        if not isinstance(text, str) or not text:
+            raise _Invalid(f"expected a non-empty string, got {_got(text)}", at=f"[{i}]")
+    return tuple(value)
+
+
 # --- the records
 
 
@@ -342,11 +412,54 @@ class ContentPart:
 
 
 @attrs.frozen
+class CalledFunction:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@attrs.frozen
+class MessageToolCall:
+    """A call an earlier assistant message made (sent back in the history)."""
+
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
+@attrs.frozen
+class FunctionDef:
+    name: str = _field(check=_function_name)
+    description: str | None = None
+    parameters: dict | None = _field(None, parse=_parse_json_object)  # a JSON schema
+    strict: bool | None = None
+
+
+@attrs.frozen
+class Tool:
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+@attrs.frozen
+class ToolChoice:
+    mode: Literal["none", "auto", "required", "function"]
+    name: str | None = None  # the function, when mode is "function"
+
+
+@attrs.frozen
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema"]
+    schema: dict | bool | None = None
+    name: str | None = None
+
+
+@attrs.frozen
 class ChatMessage:
     role: Literal["system", "user", "assistant", "tool"]
     content: str | tuple[ContentPart, ...] | None = _field(None, parse=_parse_content)
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: tuple[MessageToolCall, ...] | None = None
 
     def text(self) -> str:
         """The content as one string: parts joined by newlines, None as ""."""
@@ -385,6 +498,15 @@ class ChatCompletionRequest:
     top_logprobs: int | None = _field(None, check=_between(0, MAX_TOP_LOGPROBS))  # needs logprobs
     user: str | None = None
     ignore_eos: bool = False  # an extension (vLLM has it)
+    tools: tuple[Tool, ...] | None = None
+    tool_choice: ToolChoice | None = _field(None, parse=_parse_tool_choice)
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = _field(None, parse=_parse_response_format)
+    # Guided decoding extensions (vLLM's names); at most one constraint per request.
+    guided_json: dict | None = _field(None, parse=_parse_json_object)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: tuple[str, ...] | None = _field(None, parse=_parse_choices)
 
 
 @attrs.frozen
@@ -409,9 +531,17 @@ class CompletionRequest:
     ignore_eos: bool = False
     echo: bool = False
     logprobs: int | None = _field(None, check=_completion_logprobs)  # top logprobs per token
+    response_format: ResponseFormat | None = _field(None, parse=_parse_response_format)
+    guided_json: dict | None = _field(None, parse=_parse_json_object)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: tuple[str, ...] | None = _field(None, parse=_parse_choices)
 
 
-_RECORDS = (ContentPart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)  # dependencies first
+_RECORDS = (
+    ContentPart, CalledFunction, MessageToolCall, FunctionDef, Tool, ChatMessage, StreamOptions,
+    ChatCompletionRequest, CompletionRequest,
+)  # dependencies first; fmt: skip
 
 
 # --- the converter
@@ -491,24 +621,40 @@ def _refuse(field: str, message: str) -> NoReturn:
 def parse_chat_request(body: object) -> ChatCompletionRequest:
     """The chat request in ``body`` (parsed JSON), or RequestError."""
     data = _object(body)
-    if data.get("tools") not in (None, []):
-        _refuse("tools", "tool calling is not supported")
-    if data.get("tool_choice") not in (None, "none"):
-        _refuse("tool_choice", "tool calling is not supported; only 'none' is accepted")
     if data.get("functions") not in (None, []):
-        _refuse("functions", "function calling is not supported")
+        _refuse("functions", "the deprecated functions field is not supported; send tools")
     if data.get("function_call") not in (None, "none"):
-        _refuse("function_call", "function calling is not supported; only 'none' is accepted")
-    response_format = data.get("response_format")
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if response_format is not None and kind != "text":
-        what = f"type {_short(kind)}" if isinstance(kind, str) else _got(response_format)
-        _refuse("response_format", f"only {{\"type\": \"text\"}} is supported, got {what}")
+        _refuse("function_call", "the deprecated function_call field is not supported; send tool_choice")
     request: ChatCompletionRequest = _structure(data, ChatCompletionRequest)
     _check_stream_options(request)
     if request.top_logprobs and not request.logprobs:
         _refuse("top_logprobs", "needs logprobs to be true")
+    choice = request.tool_choice
+    if choice is not None and choice.mode in ("required", "function") and not request.tools:
+        _refuse("tool_choice", f"{_short(choice.name or choice.mode)} needs tools")
+    names = [t.function.name for t in request.tools or ()]
+    if len(set(names)) != len(names):
+        _refuse("tools", "two tools have the same name")
+    if choice is not None and choice.mode == "function" and choice.name not in names:
+        _refuse("tool_choice", f"no tool named {_short(choice.name)} (tools: {', '.join(names)})")
+    constraints = _constraints(request)
+    if choice is not None and choice.mode in ("required", "function") and constraints:
+        _refuse(constraints[0], "cannot be combined with a tool_choice that forces a call")
     return request
+
+
+def _constraints(request: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    """The guided-decoding fields a request sets; more than one is refused."""
+    given = [
+        name
+        for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+        if getattr(request, name) is not None
+    ]
+    if request.response_format is not None and request.response_format.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        _refuse(given[1], f"only one output constraint per request; {given[0]} is already set")
+    return given
 
 
 def parse_completion_request(body: object) -> CompletionRequest:
@@ -524,6 +670,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
         if best_of not in (1, request.n):
             _refuse("best_of", f"only best_of equal to n is supported, got {_num(best_of)} with n {request.n}")
     _check_stream_options(request)
+    _constraints(request)
     return request
 
 

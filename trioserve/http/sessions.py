@@ -26,12 +26,15 @@ from trioserve.actors.connection import Connection
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import parse_chat_request, sampling_params
+from trioserve.http.tools import message_dict, render_prompt
 from trioserve.state.session_store import Session, SessionStore, Turn
 
 # Chat fields a session keeps as defaults for its turns.
 SETTINGS = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "max_tokens", "max_completion_tokens", "stop", "logit_bias", "ignore_eos",
+    "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "guided_json", "guided_regex", "guided_grammar", "guided_choice",
 )  # fmt: skip
 PLACEHOLDER = [{"role": "user", "content": "-"}]
 
@@ -107,8 +110,8 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             if req.n != 1:
                 raise HTTPError(400, "n: a session turn has exactly one choice", param="n")
             session = store.begin(session_id, trio.current_time())
-            new = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt_ids = engine.tokenizer.encode(state.template.render(session.conversation(new), add_generation_prompt=True))
+            new = [message_dict(m) for m in req.messages]
+            prompt_ids = engine.tokenizer.encode(render_prompt(state.template, session.conversation(new), req.tools, req.tool_choice))
             params = sampling_params(req, default_max_tokens=default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
             restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
             if not restart and session.seed is not None:
@@ -116,6 +119,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             job = Connection(state, engine, "chat", prompt_ids, params, 1, req.logprobs, prompt_text="", echo=False)
             job.draw_start = 0 if restart else session.draw_index
             job.retain = session.id
+            state.parsers(job, req.tools, req.tool_choice)
         except Exception as exc:  # noqa: BLE001
             if session is not None:
                 store.cancel(session, trio.current_time())  # nothing was submitted, so nothing is held
@@ -124,14 +128,14 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
         def commit(choice: openai.Choice) -> None:
             final = choice.final
             turn = Turn(
-                messages=tuple(new) + ({"role": "assistant", "content": choice.content},),
+                messages=tuple(new) + (_history_message(choice.message()),),
                 seed=final.seed,
                 draw_end=final.draw_end,
                 prompt_tokens=final.usage.prompt_tokens,
                 completion_tokens=final.usage.completion_tokens,
             )
             store.commit(session, turn, trio.current_time())
-            engine.settle_retained(session.id, commit=True)  # its KV is the session's now
+            engine.settle_retained(session.id, job.request_id, commit=True)  # its KV is the session's now
 
         def release() -> None:
             # Runs once the response is over, and perhaps again from the
@@ -139,7 +143,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             if not session.busy:
                 return  # committed, or released already
             if store.cancel(session, _now(session.last_used)):
-                engine.settle_retained(session.id, commit=False)
+                engine.settle_retained(session.id, job.request_id, commit=False)
 
         job.on_final = commit
         if not req.stream:
@@ -160,6 +164,14 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
         return response
 
     return store
+
+
+def _history_message(message: dict) -> dict:
+    """The reply as the history keeps it: content and calls, not reasoning."""
+    kept = {"role": "assistant", "content": message["content"] or ""}
+    if "tool_calls" in message:
+        kept["tool_calls"] = message["tool_calls"]
+    return kept
 
 
 def _now(fallback: float) -> float:

@@ -158,7 +158,8 @@ class PrefixCache:
         self.pool.share(blocks)  # before letting the old pins go: they may overlap
         self._pin_counts.update(blocks)
         self.unpin(owner)
-        self._pins[owner] = blocks
+        if blocks:  # an owner with nothing pinned is no owner
+            self._pins[owner] = blocks
         self._touch(keys, now)
         return len(blocks) * self.block_size
 
@@ -181,19 +182,6 @@ class PrefixCache:
         self._pin_counts = +self._pin_counts  # drop zeros
         self.pool.release(blocks)
         return len(blocks)
-
-    def settle(self, owner: str, order: str) -> None:
-        """Apply an owner's order about the KV held for it at ``held``
-        (a finished turn): "commit" makes it the owner's pins, "cancel"
-        lets it go, "forget" lets go of everything the owner has."""
-        if order == "commit":
-            self.move_pin(held_key(owner), owner)
-        elif order in ("cancel", "forget"):
-            self.unpin(held_key(owner))
-            if order == "forget":
-                self.unpin(owner)
-        else:
-            raise ValueError(f"unknown retention order {order!r}")
 
     def pinned_tokens(self, owner: str) -> int:
         return len(self._pins.get(owner, ())) * self.block_size

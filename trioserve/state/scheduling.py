@@ -69,6 +69,31 @@ class SchedulingPolicy:
         self.retry_after = retry_after
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, str] = {}  # owner -> id of the request whose KV is held for it
+
+    # -- retained KV -------------------------------------------------------
+    def settle(self, owner: str, order: str, request_id: str | None = None) -> None:
+        """Apply an owner's order about request ``request_id``'s KV:
+        "commit" makes the KV held for it the owner's (replacing what the
+        owner kept), "cancel" lets it go, and "forget" lets go of everything
+        the owner has. A cancelled or forgotten request that has not ended
+        yet will hold nothing when it does."""
+        if order not in ("commit", "cancel", "forget"):
+            raise ValueError(f"unknown retention order {order!r}")
+        if order != "commit":
+            for seq in (*self.waiting, *self.running):
+                if seq.retain == owner and (order == "forget" or seq.id == request_id):
+                    seq.retain = None
+        if self.cache is None:
+            return
+        if order == "forget" or self.held.get(owner) == request_id:
+            self.held.pop(owner, None)
+            if order == "commit":
+                self.cache.move_pin(held_key(owner), owner)
+            else:
+                self.cache.unpin(held_key(owner))
+        if order == "forget":
+            self.cache.unpin(owner)
 
     # -- intake ----------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -178,8 +203,9 @@ class SchedulingPolicy:
             computed = seq.history()[: seq.num_cached]
             self.cache.register(computed, self.pool.table(seq.id), now)
             if seq.retain is not None and reason in ("stop", "length"):
-                # Held for the owner until it settles the turn (see Scheduler.settle).
+                # Held for the owner until it settles the turn (see `settle`).
                 self.cache.pin(held_key(seq.retain), computed, now)
+                self.held[seq.retain] = seq.id
         self.pool.free_sequence(seq.id)
         if self.cache is not None:
             self.cache.trim(self.clock())  # its blocks are idle now, so the limits can take them

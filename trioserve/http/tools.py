@@ -1,0 +1,115 @@
+"""Tools in the prompt: rendering `tools`, earlier calls and their results
+into the text the model reads.
+
+A checkpoint whose chat template knows about tools (it reads the `tools`
+variable) gets them as the template expects: the tool list, assistant
+messages with `tool_calls`, tool messages with `tool_call_id`. Any other
+template (SmolLM2's, ChatML) gets the documented fallback (docs/tools.md):
+
+- the system message gains a paragraph listing each function as one line of
+  JSON ({"name", "description", "parameters"}) and asking for calls written
+  as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+- an earlier assistant message's calls are appended to its content in that
+  same form, so the model sees what it wrote;
+- a tool message keeps the role "tool"; its content is wrapped in
+  ``<tool_response>`` tags.
+
+The output side (parsing calls out of the reply) is models/output_parser.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trioserve.http.schemas import ChatMessage, Tool, ToolChoice
+from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.output_parser import CALL_CLOSE, CALL_OPEN
+
+FALLBACK_INTRO = (
+    "You can call the functions below. Each is described by one line of JSON "
+    "with its name, what it does and a JSON schema of its arguments."
+)
+FALLBACK_HOW = (
+    "To call a function, answer with exactly this and nothing else for that call: "
+    f'{CALL_OPEN}{{"name": <function name>, "arguments": <an object matching its schema>}}{CALL_CLOSE}'
+)
+FORCED = "You must call a function now."
+FORCED_NAMED = "You must call the function {name} now."
+
+
+def template_knows_tools(template: ChatTemplate) -> bool:
+    return not template.is_default and "tools" in template.source
+
+
+def tool_json(tool: Tool) -> dict[str, Any]:
+    f = tool.function
+    out: dict[str, Any] = {"name": f.name}
+    if f.description:
+        out["description"] = f.description
+    out["parameters"] = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+    return out
+
+
+def message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A request message as the template (and a session's history) sees it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls
+        ]
+    return out
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call as the fallback format writes it."""
+    try:
+        args: Any = json.loads(arguments)
+    except ValueError:
+        args = arguments  # sent back malformed: show it as the string it is
+    return CALL_OPEN + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + CALL_CLOSE
+
+
+def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] | None, choice: ToolChoice | None) -> list[dict]:
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            written = "".join(call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+            m["content"] = (m.get("content") or "") + written
+        if m["role"] == "tool":
+            m["content"] = f"<tool_response>{m.get('content') or ''}</tool_response>"
+        m.pop("tool_call_id", None)
+        out.append(m)
+    if tools:
+        lines = [FALLBACK_INTRO, *(json.dumps(tool_json(t), ensure_ascii=False) for t in tools), FALLBACK_HOW]
+        if choice is not None and choice.mode == "required":
+            lines.append(FORCED)
+        elif choice is not None and choice.mode == "function":
+            lines.append(FORCED_NAMED.format(name=choice.name))
+        paragraph = "\n".join(lines)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{paragraph}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": paragraph})
+    return out
+
+
+def render_prompt(
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Tool] | None = None,
+    choice: ToolChoice | None = None,
+) -> str:
+    """The prompt text for a chat: ``messages`` as `message_dict` makes them."""
+    offered = tools if tools and (choice is None or choice.mode != "none") else None
+    if template_knows_tools(template):
+        return template.render(messages, add_generation_prompt=True, tools=[{"type": "function", "function": tool_json(t)} for t in offered] if offered else None)
+    return template.render(_fallback(messages, offered, choice), add_generation_prompt=True)
