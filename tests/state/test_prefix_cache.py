@@ -821,8 +821,10 @@ class PrefixMachine(RuleBasedStateMachine):
                     self.finish_through_policy(seq, outcome.finish_reason)
 
     def finish_through_policy(self, seq: Sequence, reason: str) -> None:
-        idle_before = self.idle_now()
         tokens, table = self.finishing(seq)
+        # The sequence's own blocks are idle once it lets go, so the limits
+        # may take them at once (when every older entry is held).
+        idle_before = self.idle_now() | {b for b in table if self.pool.refcount(b) - (b in self.actual()) == 1}
         self.policy.finish(seq, reason)
         self.model_register(tokens, table)
         self.sync(idle_before)
@@ -896,11 +898,18 @@ class PrefixMachine(RuleBasedStateMachine):
         assert self.cache.idle_blocks() == 0
 
     def fail_all(self) -> None:
-        idle_before = self.idle_now()
         before = dict(self.actual())
+        last_use = {b: lu for b, lu in self.model.values()}
         self.policy.fail_all()
-        assert self.actual() == before  # nothing registered, nothing dropped
-        self.sync(idle_before)
+        # Nothing is registered; the freed blocks let the limits apply, so
+        # only entries idle now (the failed sequences' included) and expired
+        # or over the count limit may go.
+        idle_after = self.idle_now()
+        removed = self.sync(idle_after | set(before) - self.held())
+        assert set(self.actual().items()) <= set(before.items())
+        assert all(self.now - last_use[b] <= M_IDLE_S for b in idle_after)
+        young = [b for b in removed if self.now - last_use[b] <= M_IDLE_S]
+        assert len(young) <= max(0, len(before) - M_MAX_CACHED)
 
     # -- invariants -----------------------------------------------------------
     @invariant()
