@@ -24,6 +24,7 @@ from trioserve.actors.worker import run_worker
 from trioserve.config import DTYPE_NAMES, EngineConfig
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.models.checkpoint import Checkpoint, Progress, load_checkpoint
+from trioserve.models.guided import GuideCompiler
 from trioserve.models.llama import LlamaModel
 from trioserve.models.sampling import SamplingError
 from trioserve.models.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ class Engine:
         self.max_model_len = max_model_len
         self._scheduler = scheduler
         self._inbox = inbox
+        self.guides = scheduler.guides  # compiles output constraints (guided decoding)
 
     def statistics(self) -> EngineStats:
         """The latest frozen snapshot the scheduler published."""
@@ -194,7 +196,8 @@ async def open_engine(
     worker_send, worker_recv = trio.open_memory_channel(1)
     sampler_send, sampler_recv = trio.open_memory_channel(1)
     inbox_send, inbox_recv = trio.open_memory_channel(config.channel_size)
-    scheduler = Scheduler(policy, checkpoint.tokenizer, worker_send, sampler_send)
+    guides = GuideCompiler(checkpoint.tokenizer)
+    scheduler = Scheduler(policy, checkpoint.tokenizer, worker_send, sampler_send, guides)
     async with trio.open_nursery() as nursery:
         await nursery.start(run_worker, model, cache, worker_recv)
         await nursery.start(run_sampler, sampler_recv)

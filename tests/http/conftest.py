@@ -9,6 +9,7 @@ Helpers here read what the server says: SSE bodies split into their
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import trio
 
+from tests.tiny_model import set_gguf_u32
 from trioserve.actors import worker
 from trioserve.config import EngineConfig, ServerSettings
 from trioserve.http.serve import serve_app
@@ -24,6 +26,7 @@ from trioserve.http.serve import serve_app
 BLOCK_SIZE = 4
 KV_BYTES_PER_TOKEN = 512  # tiny model in fp32: 2 (K, V) * 2 layers * 2 KV heads * 16 dims * 4 bytes
 MAX_MODEL_LEN = 256  # the tiny model's context
+LONG_CONTEXT = 1024  # tiny_gguf_long's
 MODEL_NAME = "tiny"
 EOS_ID = 2
 
@@ -83,6 +86,16 @@ async def start_server(nursery: trio.Nursery, settings: ServerSettings) -> str:
 @pytest.fixture
 def tiny_gguf(tiny_checkpoints) -> Path:
     return tiny_checkpoints["gguf_f32"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_long(tiny_checkpoints, tmp_path_factory) -> Path:
+    """The tiny model with a 1024-token context (its metadata says so; RoPE
+    works at any position), for prompts as long as a tool list renders in
+    the tiny tokenizer (about one token per character)."""
+    path = tmp_path_factory.mktemp("tiny-long") / "tiny-long.gguf"
+    shutil.copyfile(tiny_checkpoints["gguf_f32"], path)
+    return set_gguf_u32(path, "llama.context_length", LONG_CONTEXT)
 
 
 @pytest.fixture

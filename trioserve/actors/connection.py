@@ -46,6 +46,7 @@ class Connection:
         self.echo = echo
         self.draw_start = 0  # a session turn continues its random stream
         self.retain: str | None = None  # a session turn's KV is held for the session
+        self.guides: list | None = None  # one output constraint per choice (guided decoding)
         # Makes each chat choice's output parser (tool calls, reasoning), or None.
         self.parser_factory: Callable[[int], OutputParser | None] | None = None
         # Called with choice 0 right before its final response goes out
@@ -57,9 +58,10 @@ class Connection:
         self.model = state.model_name
 
     def _request(self, index: int) -> GenerateRequest:
+        guide = self.guides[index] if self.guides is not None else None
         if index:
-            return GenerateRequest(self.prompt_ids, seed_for(self.params, index))
-        return GenerateRequest(self.prompt_ids, self.params, self.request_id, draw_start=self.draw_start, retain=self.retain)
+            return GenerateRequest(self.prompt_ids, seed_for(self.params, index), guide=guide)
+        return GenerateRequest(self.prompt_ids, self.params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide)
 
     def _choice(self, index: int) -> openai.Choice:
         parser = self.parser_factory(index) if self.parser_factory is not None and self.kind == "chat" else None

@@ -9,6 +9,7 @@ import attrs
 import torch
 import trio
 
+from trioserve.models.guided import Guide
 from trioserve.models.sampling import Row, Sampled, SamplingParams
 from trioserve.models.step import SeqChunk
 
@@ -26,6 +27,7 @@ class GenerateRequest:
     request_id: str | None = None
     draw_start: int = 0
     retain: str | None = None
+    guide: Guide | None = attrs.field(default=None, eq=False)  # this request's own output constraint
 
 
 @attrs.frozen
@@ -108,6 +110,7 @@ class SampleRequest:
     logits: torch.Tensor
     rows: Seq[Row]
     reply: trio.MemorySendChannel
+    masks: torch.Tensor | None = None  # int32 bitmask [rows, words] of allowed tokens (guided decoding)
 
 
 @attrs.frozen

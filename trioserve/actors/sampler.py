@@ -14,7 +14,7 @@ from trioserve.models.sampling import sample_rows
 
 def _sample(request: SampleRequest) -> SampleReply:
     try:
-        return SampleReply(sample_rows(request.logits, request.rows))
+        return SampleReply(sample_rows(request.logits, request.rows, request.masks))
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails those rows
         return SampleReply(None, error=f"{type(exc).__name__}: {exc}")
 

@@ -29,6 +29,7 @@ from trioserve.actors.messages import (
 )
 from trioserve.errors import EngineClosed, EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
+from trioserve.models.guided import GuideCompiler
 from trioserve.models.sampling import Row, new_seed
 from trioserve.models.step import SeqChunk
 from trioserve.models.tokenizer import Tokenizer
@@ -42,8 +43,16 @@ class Scheduler:
     """State of the scheduler actor. Only its own two tasks touch it; others
     read `snapshot`, a frozen record replaced after every change."""
 
-    def __init__(self, policy: SchedulingPolicy, tokenizer: Tokenizer, worker: trio.MemorySendChannel, sampler: trio.MemorySendChannel):
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        tokenizer: Tokenizer,
+        worker: trio.MemorySendChannel,
+        sampler: trio.MemorySendChannel,
+        guides: GuideCompiler | None = None,
+    ):
         self.policy = policy
+        self.guides = guides  # computes guided requests' token masks
         self.tokenizer = tokenizer
         self.worker = worker
         self.sampler = sampler
@@ -112,6 +121,7 @@ class Scheduler:
             stops=StopMatcher(params.stop),
             arrival=trio.current_time(),
             retain=request.retain,
+            guide=request.guide,
         )
 
     @staticmethod
@@ -159,7 +169,22 @@ class Scheduler:
         chunks = tuple(SeqChunk(r.tokens, r.start, self.policy.block_table(r.seq), r.decode) for r in rows)
         sampling = [r for r in rows if r.samples]
         index = tuple(i for i, r in enumerate(rows) if r.samples)
-        reply: StepReply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
+        guided = [r.seq.guide for r in sampling]
+        masks: list = [None]
+        if self.guides is not None and any(g is not None for g in guided):
+            # The masks are computed in a thread while the forward pass runs.
+            async with trio.open_nursery() as nursery:
+
+                async def fill() -> None:
+                    try:
+                        masks[0] = await trio.to_thread.run_sync(self.guides.fill_masks, guided)
+                    except Exception as exc:  # noqa: BLE001 - fails the guided rows below
+                        masks[0] = exc
+
+                nursery.start_soon(fill)
+                reply: StepReply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
+        else:
+            reply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
         if reply.fatal is not None:
             self._die(f"a model step failed part-way: {reply.fatal}")
             return
@@ -180,7 +205,11 @@ class Scheduler:
         # A checkpoint may pad its output head past the tokenizer's vocabulary;
         # those ids name no token, so they are never candidates.
         logits = reply.logits[:, : self.tokenizer.vocab_size]
-        picked: SampleReply = await self._call(self.sampler, lambda ch: SampleRequest(logits, sample_rows, ch))
+        if isinstance(masks[0], Exception):
+            for row in sampling:
+                self._fail(row.seq, f"the output constraint failed: {masks[0]}")
+            return
+        picked: SampleReply = await self._call(self.sampler, lambda ch: SampleRequest(logits, sample_rows, ch, masks[0]))
         if picked.error is not None:
             for row in sampling:
                 self._fail(row.seq, f"sampling failed: {picked.error}")
@@ -194,6 +223,12 @@ class Scheduler:
             self.recorder.ttft.add(now - seq.arrival)
         else:
             self.recorder.inter_token.add(now - seq.last_token_at)
+        if seq.guide is not None:
+            try:
+                seq.guide.advance(sampled.token)
+            except ValueError as exc:
+                self._fail(seq, str(exc))
+                return
         is_stop_id = sampled.token in seq.stop_ids
         outcome = seq.commit(sampled.token, sampled.draws, now)
         self.recorder.generated_tokens += 1

@@ -26,7 +26,7 @@ from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
 from trioserve.http.sessions import add_session_routes
-from trioserve.http.tools import message_dict, render_prompt
+from trioserve.http.tools import compile_guides, message_dict, render_prompt
 from trioserve.http.write_timeout import WriteTimeout
 from trioserve.models.output_parser import THINK_OPEN, OutputParser
 from trioserve.models.chat_template import ChatTemplate
@@ -193,9 +193,11 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             messages = [message_dict(m) for m in req.messages]
             prompt_ids = engine.tokenizer.encode(render_prompt(state.template, messages, req.tools, req.tool_choice))
             params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
+            guides = await compile_guides(engine, req, req.n)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         job = Connection(state, engine, "chat", prompt_ids, params, req.n, req.logprobs, prompt_text="", echo=False)
+        job.guides = guides
         state.parsers(job, req.tools, req.tool_choice)
         return await job.respond(req.stream, req.stream_options)
 
@@ -211,9 +213,11 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
                 raise HTTPError(400, "only one prompt per request is supported; send a string or one list of token ids", param="prompt")
             prompt_text, prompt_ids = prompts[0]
             params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "prompt", settings.default_max_tokens))
+            guides = await compile_guides(engine, req, req.n)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         job = Connection(state, engine, "text", prompt_ids, params, req.n, req.logprobs is not None, prompt_text=prompt_text, echo=req.echo)
+        job.guides = guides
         return await job.respond(req.stream, req.stream_options)
 
     state.sessions = add_session_routes(

@@ -31,6 +31,7 @@ from cattrs.errors import AttributeValidationNote, BaseValidationError, Iterable
 from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.errors import RequestError
+from trioserve.models.guided import GuideSpec
 from trioserve.models.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
 
 MAX_N = 16
@@ -677,6 +678,28 @@ def parse_completion_request(body: object) -> CompletionRequest:
 def _check_stream_options(request: ChatCompletionRequest | CompletionRequest) -> None:
     if request.stream_options is not None and not request.stream:
         _refuse("stream_options", "only allowed when stream is true")
+
+
+# --- onto the engine's output constraint
+
+
+def guide_spec(request: ChatCompletionRequest | CompletionRequest) -> GuideSpec | None:
+    """The output constraint a request asks for (at most one, see
+    `_constraints`), or None."""
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return GuideSpec("json_object", None, "response_format")
+    if fmt is not None and fmt.type == "json_schema":
+        return GuideSpec("json_schema", fmt.schema, "response_format.json_schema.schema")
+    if request.guided_json is not None:
+        return GuideSpec("json_schema", request.guided_json, "guided_json")
+    if request.guided_regex is not None:
+        return GuideSpec("regex", request.guided_regex, "guided_regex")
+    if request.guided_grammar is not None:
+        return GuideSpec("grammar", request.guided_grammar, "guided_grammar")
+    if request.guided_choice is not None:
+        return GuideSpec("choice", request.guided_choice, "guided_choice")
+    return None
 
 
 # --- onto the engine's sampling parameters

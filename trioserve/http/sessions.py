@@ -26,7 +26,7 @@ from trioserve.actors.connection import Connection
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import parse_chat_request, sampling_params
-from trioserve.http.tools import message_dict, render_prompt
+from trioserve.http.tools import compile_guides, message_dict, render_prompt
 from trioserve.state.session_store import Session, SessionStore, Turn
 
 # Chat fields a session keeps as defaults for its turns.
@@ -119,6 +119,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             job = Connection(state, engine, "chat", prompt_ids, params, 1, req.logprobs, prompt_text="", echo=False)
             job.draw_start = 0 if restart else session.draw_index
             job.retain = session.id
+            job.guides = await compile_guides(engine, req, 1)
             state.parsers(job, req.tools, req.tool_choice)
         except Exception as exc:  # noqa: BLE001
             if session is not None:

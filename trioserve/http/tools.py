@@ -23,18 +23,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trioserve.http.schemas import ChatMessage, Tool, ToolChoice
+import trio
+
+from trioserve.http.schemas import ChatMessage, Tool, ToolChoice, guide_spec
+from trioserve.models.guided import GuideSpec
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.output_parser import CALL_CLOSE, CALL_OPEN
 
-FALLBACK_INTRO = (
-    "You can call the functions below. Each is described by one line of JSON "
-    "with its name, what it does and a JSON schema of its arguments."
-)
-FALLBACK_HOW = (
-    "To call a function, answer with exactly this and nothing else for that call: "
-    f'{CALL_OPEN}{{"name": <function name>, "arguments": <an object matching its schema>}}{CALL_CLOSE}'
-)
+FALLBACK_INTRO = "Functions you can call (one JSON line each: name, description, parameters schema):"
+FALLBACK_HOW = f'To call one, reply with {CALL_OPEN}{{"name": <name>, "arguments": <object>}}{CALL_CLOSE}'
+
 FORCED = "You must call a function now."
 FORCED_NAMED = "You must call the function {name} now."
 
@@ -89,7 +87,7 @@ def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] | Non
         m.pop("tool_call_id", None)
         out.append(m)
     if tools:
-        lines = [FALLBACK_INTRO, *(json.dumps(tool_json(t), ensure_ascii=False) for t in tools), FALLBACK_HOW]
+        lines = [FALLBACK_INTRO, *(json.dumps(tool_json(t), ensure_ascii=False, separators=(",", ":")) for t in tools), FALLBACK_HOW]
         if choice is not None and choice.mode == "required":
             lines.append(FORCED)
         elif choice is not None and choice.mode == "function":
@@ -100,6 +98,45 @@ def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] | Non
         else:
             out.insert(0, {"role": "system", "content": paragraph})
     return out
+
+
+def forced_call_grammar(tools: Sequence[Tool], choice: ToolChoice) -> str:
+    """A grammar (llguidance's Lark dialect) for exactly one call written in
+    the fallback format: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    whose arguments match the function's parameter schema; any of ``tools``
+    for "required", the named one otherwise."""
+    chosen = [t for t in tools if choice.mode == "required" or t.function.name == choice.name]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": tool_json(t)["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no room to wander in whitespace
+    return "\n".join(
+        [
+            f"start: {json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}",
+            f"call: %json {json.dumps(schema)}",
+        ]
+    )
+
+
+async def compile_guides(engine, request, n: int) -> list | None:
+    """One output constraint (models.guided.Guide) per choice for
+    ``request``: its response_format or guided_* field, or the call a
+    forcing tool_choice demands; None when it asks for none. Compiled in a
+    thread; a bad schema, pattern or grammar is a RequestError naming it."""
+    spec = guide_spec(request)
+    choice = getattr(request, "tool_choice", None)
+    if choice is not None and choice.mode in ("required", "function"):
+        spec = GuideSpec("grammar", forced_call_grammar(request.tools, choice), "tool_choice")
+    if spec is None:
+        return None
+    return await trio.to_thread.run_sync(engine.guides.guides, spec, n)
 
 
 def render_prompt(

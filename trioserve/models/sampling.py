@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.errors import TrioserveError
+from trioserve.models.guided import apply_masks
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -201,14 +202,18 @@ class Sampled:
     top_logprobs: tuple[tuple[int, float], ...]  # (id, logprob), best first
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
+def sample_rows(logits: torch.Tensor, rows: Sequence[Row], masks: torch.Tensor | None = None) -> list[Sampled]:
     """Choose one token for each row of ``logits`` ([R, V], any float dtype)
-    following ``rows[r]``. Never modifies ``logits``. Blocking: call it from a
-    worker thread."""
+    following ``rows[r]``; with ``masks`` (an int32 bitmask per row, see
+    models.guided), only among the tokens a row's mask allows. Never
+    modifies ``logits``. Blocking: call it from a worker thread. Logprobs
+    are the model's own, before any bias, penalty or mask."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)
     if raw.dim() != 2 or raw.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(raw.shape)} do not match {len(rows)} rows")
     x = _processed(raw, rows)
+    if masks is not None:
+        x = apply_masks(x, masks)
     tokens = [0] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]

@@ -232,6 +232,10 @@ class Tokenizer:
             chat_template=template,
         )
 
+    def backend_json(self) -> str:
+        """The `tokenizers` serialization (for llguidance's tokenizer)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids for `text`; special-token text in it becomes its single id.
         BOS is prepended when `add_bos` (default: the checkpoint's setting)."""

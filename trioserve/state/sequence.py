@@ -5,6 +5,7 @@ Python; owned by the scheduler alone."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 from collections.abc import Collection
 
 import attrs
@@ -50,6 +51,7 @@ class Sequence:
     last_token_at: float | None = None
     finish_reason: str | None = None
     retain: str | None = None  # owner (a session) that keeps this sequence's KV when it commits
+    guide: Any = None  # a models.guided.Guide: the output constraint, if any
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +89,9 @@ class Sequence:
         text, stopped = self.stops.push(self.detokenizer.push(token))
         if stopped:
             return Commit(text, "stop")
+        if self.guide is not None and self.guide.done:
+            tail, _ = self._drain()  # the constraint is complete: only a stop token could follow
+            return Commit(text + tail, "stop")
         if self.generated >= self.params.max_tokens:
             tail, stopped = self._drain()
             return Commit(text + tail, "stop" if stopped else "length")

@@ -1,0 +1,189 @@
+"""Guided decoding and forced tool calls through the real server with the
+tiny random model (whose free output is noise, so everything valid below is
+the constraint's doing): JSON schemas at temperature 1, regexes, choices,
+json_object, grammars; forced calls, buffered and streamed, in chat and in a
+session; a call cut by max_tokens; and the 400s for bad constraints."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import attrs
+import httpx
+import jsonschema
+import pytest
+import trio
+
+from tests.http.conftest import LONG_CONTEXT, assert_error, kv_bytes, make_settings, read_sse, start_server
+from tests.http.test_sessions import TIMEOUT, create
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "owner": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 5}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+            "required": ["city", "tags"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "owner"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+async def server(nursery, tiny_gguf_long) -> str:
+    """A tool list renders to ~500 tiny-tokenizer tokens: the long-context copy."""
+    return await start_server(nursery, make_settings(tiny_gguf_long, kv_cache_bytes=kv_bytes(4 * LONG_CONTEXT)))
+
+
+async def chat(client, **body) -> dict:
+    response = await client.post("/v1/chat/completions", json={"messages": ASK, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_twenty_samples_at_temperature_one_all_match_the_schema(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    with trio.fail_after(120):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            bodies = [await chat(client, response_format=fmt, temperature=1.0, max_tokens=150, n=10, seed=s) for s in (1, 2)]
+    outputs = [c for b in bodies for c in b["choices"]]
+    assert len(outputs) == 20
+    for choice in outputs:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert len({c["message"]["content"] for c in outputs}) > 10  # sampled, not one answer repeated
+
+
+async def test_regex_choice_json_object_and_grammar_are_obeyed_streamed_and_buffered(server):
+    with trio.fail_after(120):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            regex = await chat(client, guided_regex=r"[A-Z]{2}-\d{4}", temperature=1.0, seed=3, max_tokens=20)
+            assert re.fullmatch(r"[A-Z]{2}-\d{4}", regex["choices"][0]["message"]["content"])
+            choice = await chat(client, guided_choice=["sunny", "rainy", "partly cloudy"], temperature=1.0, seed=4, max_tokens=20)
+            assert choice["choices"][0]["message"]["content"] in ("sunny", "rainy", "partly cloudy")
+            grammar = 'start: "forecast: " day ("," day)*\nday: "mon" | "tue" | "wed"'
+            text = (await client.post("/v1/completions", json={"prompt": "Week:", "guided_grammar": grammar, "max_tokens": 30, "temperature": 1.0, "seed": 5})).json()
+            assert re.fullmatch(r"forecast: (mon|tue|wed)(,(mon|tue|wed))*", text["choices"][0]["text"]), text
+            body = {"messages": ASK, "response_format": {"type": "json_object"}, "max_tokens": 60, "temperature": 0, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                sse = await read_sse(response)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse.chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in sse.chunks if c["choices"]][-1]
+    if finish == "stop":  # with greedy noise a JSON object may also run to max_tokens; a finished one must parse
+        assert isinstance(json.loads(streamed), dict)
+    else:
+        assert finish == "length" and streamed.startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_forced_call_is_valid_and_parsed(server, stream):
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 1.0, "seed": 11, "max_tokens": 200}
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            if not stream:
+                choice = (await chat(client, **{k: v for k, v in body.items() if k != "messages"}))["choices"][0]
+                calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+                assert choice["message"]["content"] is None
+            else:
+                async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                    sse = await read_sse(response)
+                deltas = [c["choices"][0]["delta"] for c in sse.chunks if c["choices"]]
+                calls = [call for d in deltas for call in d.get("tool_calls") or []]
+                assert all(not d.get("content") for d in deltas)  # nothing leaks as text
+                finish = [c["choices"][0]["finish_reason"] for c in sse.chunks if c["choices"]][-1]
+    assert finish == "tool_calls"
+    assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+async def test_required_picks_one_of_the_tools_and_a_cut_call_stays_length(server):
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            body = await chat(client, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=2, max_tokens=200)
+            call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+            schema = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]["function"]["parameters"]
+            jsonschema.validate(json.loads(call["arguments"]), schema)
+            cut = await chat(client, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=20)
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith("<tool_call>")
+
+
+async def test_a_session_keeps_a_forced_call_and_the_tool_result(server):
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            sid = await create(client, tools=[WEATHER], temperature=0, max_tokens=200)
+            first = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": ASK, "tool_choice": "required"})
+            assert first.status_code == 200, first.text
+            call = first.json()["choices"][0]["message"]["tool_calls"][0]
+            result = {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 18}'}
+            second = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": [result], "max_tokens": 5, "tool_choice": "none"})
+            assert second.status_code == 200, second.text
+            history = (await client.get(f"/v1/sessions/{sid}")).json()["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
+    assert history[1]["tool_calls"] == [call] and history[2] == result
+    assert second.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "fragment", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, 400, "invalid JSON schema", "response_format.json_schema.schema"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, 400, "Unimplemented keys", "guided_json"),
+        ({"guided_regex": "(unclosed"}, 400, "invalid regular expression", "guided_regex"),
+        ({"guided_grammar": "start: missing_rule"}, 400, "invalid grammar", "guided_grammar"),
+        ({"guided_choice": ["a", ""]}, 400, "expected a non-empty string", "guided_choice[1]"),
+    ],
+)
+async def test_bad_constraints_are_400_naming_the_field(server, extra, status, fragment, param):
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        response = await client.post("/v1/chat/completions", json={"messages": ASK, **extra})
+        assert_error(response, status, fragment=fragment, param=param)
+        sid = await create(client)
+        turn = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": ASK, **extra})
+        assert_error(turn, status, fragment=fragment, param=param)
+        assert (await client.get(f"/v1/sessions/{sid}")).json()["busy"] is False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_reasoning_goes_to_its_own_field_even_with_markers_split_across_tokens(nursery, tiny_gguf, stream):
+    """The tiny tokenizer spells <think> in several tokens; a regex makes the
+    noise model write reasoning, then an answer."""
+    url = await start_server(nursery, attrs.evolve(make_settings(tiny_gguf), reasoning_parser="on"))
+    body = {"messages": ASK, "guided_regex": r"<think>[a-z ]{3,12}</think>(sunny|rainy)", "temperature": 1.0, "seed": 8, "max_tokens": 60}
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        if stream:
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                sse = await read_sse(response)
+            deltas = [c["choices"][0]["delta"] for c in sse.chunks if c["choices"]]
+            reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+            content = "".join(d.get("content") or "" for d in deltas)
+            assert not any("reasoning_content" in d and "content" in d for d in deltas)
+        else:
+            message = (await chat(client, **{k: v for k, v in body.items() if k != "messages"}))["choices"][0]["message"]
+            reasoning, content = message["reasoning_content"], message["content"]
+    assert re.fullmatch(r"[a-z ]{3,12}", reasoning), reasoning
+    assert content in ("sunny", "rainy")
