@@ -187,3 +187,35 @@ async def test_reasoning_goes_to_its_own_field_even_with_markers_split_across_to
             reasoning, content = message["reasoning_content"], message["content"]
     assert re.fullmatch(r"[a-z ]{3,12}", reasoning), reasoning
     assert content in ("sunny", "rainy")
+
+
+async def test_the_openai_client_reads_tool_calls_and_constrained_output(server):
+    """The official client parses our tool calls (buffered and streamed) and
+    sends response_format and the guided_* extensions (extra_body)."""
+    from tests.http.test_server import call, sync_client
+
+    client = sync_client(server)
+    with trio.fail_after(60):
+        forced = await call(
+            client.chat.completions.create, model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=200
+        )
+        (tool_call,) = forced.choices[0].message.tool_calls
+        assert forced.choices[0].finish_reason == "tool_calls" and tool_call.function.name == "get_weather"
+        jsonschema.validate(json.loads(tool_call.function.arguments), WEATHER["function"]["parameters"])
+
+        def streamed():
+            with client.chat.completions.create(
+                model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=200, stream=True
+            ) as stream:
+                return list(stream)
+
+        chunks = await call(streamed)
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.id, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, deltas[0].id, "get_weather", tool_call.function.arguments)
+        ]
+        fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+        pet = await call(client.chat.completions.create, model="tiny", messages=ASK, response_format=fmt, temperature=0, max_tokens=150)
+        jsonschema.validate(json.loads(pet.choices[0].message.content), SCHEMA)
+        picked = await call(client.chat.completions.create, model="tiny", messages=ASK, extra_body={"guided_choice": ["left", "right"]}, max_tokens=10)
+        assert picked.choices[0].message.content in ("left", "right")
