@@ -3,6 +3,8 @@ sessions under the count, history-bytes and idle-time limits."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from trioserve.state.session_store import SessionBusy, SessionNotFound, SessionStore, Turn
@@ -74,3 +76,13 @@ def test_history_bytes_limit_evicts_oldest_idle_histories():
     with pytest.raises(SessionNotFound):
         store.get(a.id, 3.0)
     assert store.get(b.id, 3.0).history_bytes() == 5
+
+
+def test_tool_calls_count_towards_history_bytes():
+    store = SessionStore()
+    s = store.create(0.0)
+    store.begin(s.id, 0.0)
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    turn = Turn(messages=({"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}), seed=1, draw_end=0, prompt_tokens=1, completion_tokens=1)
+    store.commit(s, turn, 1.0)
+    assert s.history_bytes() == 1 + len(json.dumps(calls))

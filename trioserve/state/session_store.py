@@ -11,6 +11,7 @@ persists across restarts."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -50,7 +51,16 @@ class Session:
         return head + [dict(m) for m in self.messages] + [dict(m) for m in new]
 
     def history_bytes(self) -> int:
-        return sum(len(str(m.get("content") or "").encode()) for m in self.messages)
+        """The history's size as counted against the store's limit: message
+        text, plus the JSON of any tool calls."""
+        return sum(_message_bytes(m) for m in self.messages)
+
+
+def _message_bytes(message: Mapping[str, Any]) -> int:
+    size = len(str(message.get("content") or "").encode())
+    if message.get("tool_calls"):
+        size += len(json.dumps(message["tool_calls"], ensure_ascii=False).encode())
+    return size
 
 
 @attrs.frozen
