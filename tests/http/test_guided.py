@@ -219,3 +219,16 @@ async def test_the_openai_client_reads_tool_calls_and_constrained_output(server)
         jsonschema.validate(json.loads(pet.choices[0].message.content), SCHEMA)
         picked = await call(client.chat.completions.create, model="tiny", messages=ASK, extra_body={"guided_choice": ["left", "right"]}, max_tokens=10)
         assert picked.choices[0].message.content in ("left", "right")
+
+
+@pytest.mark.parametrize(("parallel", "names"), [(True, ["get_time", "get_weather"]), (False, ["get_time"])])
+async def test_calls_the_model_writes_by_itself_are_parsed_and_parallel_false_keeps_one(server, parallel, names):
+    """tool_choice auto: a regex stands in for a model that writes two calls."""
+    two = r'<tool_call>\{"name":"get_time","arguments":\{"zone":"utc"\}\}</tool_call>\n<tool_call>\{"name":"get_weather","arguments":\{"city":"Oslo","unit":"celsius"\}\}</tool_call>'
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        body = await chat(client, tools=[WEATHER, TIME], guided_regex=two, parallel_tool_calls=parallel, max_tokens=300, temperature=0)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"zone": "utc"}
+    assert choice["message"]["content"] is None

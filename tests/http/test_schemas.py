@@ -336,6 +336,7 @@ BAD_CHAT = [
     (chat(guided_regex="a+", guided_choice=["a"]), "guided_choice", "only one output constraint per request; guided_regex is already set"),
     (chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "response_format is already set"),
     (chat(tools=[{"function": {"name": "f"}}], tool_choice="required", guided_regex="a"), "guided_regex", "cannot be combined with a tool_choice that forces a call"),
+    (chat(tools=[{"function": {"name": "f"}}], parallel_tool_calls=False, stop=[f"s{i}" for i in range(16)]), "stop", "at most 15 stop strings"),
 ]
 
 

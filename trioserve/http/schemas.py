@@ -32,6 +32,7 @@ from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.errors import RequestError
 from trioserve.models.guided import GuideSpec
+from trioserve.models.output_parser import CALL_CLOSE
 from trioserve.models.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
 
 MAX_N = 16
@@ -638,10 +639,19 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
         _refuse("tools", "two tools have the same name")
     if choice is not None and choice.mode == "function" and choice.name not in names:
         _refuse("tool_choice", f"no tool named {_short(choice.name)} (tools: {', '.join(names)})")
+    if _one_call_only(request) and isinstance(request.stop, tuple) and len(request.stop) >= MAX_STOP_STRINGS:
+        _refuse("stop", f"with parallel_tool_calls false at most {MAX_STOP_STRINGS - 1} stop strings are allowed (one is used to end the call)")
     constraints = _constraints(request)
     if choice is not None and choice.mode in ("required", "function") and constraints:
         _refuse(constraints[0], "cannot be combined with a tool_choice that forces a call")
     return request
+
+
+def _one_call_only(request: ChatCompletionRequest) -> bool:
+    """Tools offered with parallel_tool_calls false: the reply ends after its
+    first call (its closing tag is a stop string)."""
+    offered = bool(request.tools) and (request.tool_choice is None or request.tool_choice.mode != "none")
+    return offered and not request.parallel_tool_calls
 
 
 def _constraints(request: ChatCompletionRequest | CompletionRequest) -> list[str]:
@@ -717,7 +727,9 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, defau
         max_tokens = request.max_tokens
         logprobs = request.logprobs is not None
         top_logprobs = request.logprobs or 0
-    stop = request.stop
+    stop = (request.stop,) if isinstance(request.stop, str) else (request.stop or ())
+    if isinstance(request, ChatCompletionRequest) and _one_call_only(request):
+        stop += (CALL_CLOSE,)
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -731,6 +743,6 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, defau
         seed=None if request.seed is None else request.seed % SEED_LIMIT,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        stop=(stop,) if isinstance(stop, str) else (stop or ()),
+        stop=stop,
         ignore_eos=request.ignore_eos,
     )
