@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import attrs
 import httpx
@@ -232,3 +233,43 @@ async def test_calls_the_model_writes_by_itself_are_parsed_and_parallel_false_ke
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"zone": "utc"}
     assert choice["message"]["content"] is None
+
+
+async def test_a_client_leaving_while_a_turn_is_set_up_leaves_the_session_free(server, monkeypatch):
+    """Compiling a constraint takes a while (here: a second); the client
+    leaves meanwhile. The turn never started, so the session is not busy."""
+    from trioserve.models import guided
+
+    real = guided.GuideCompiler.guides
+
+    def slow(self, spec, count):
+        time.sleep(1.0)
+        return real(self, spec, count)
+
+    monkeypatch.setattr(guided.GuideCompiler, "guides", slow)
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        sid = await create(client, max_tokens=5)
+        with trio.move_on_after(0.3):
+            async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as leaving:
+                await leaving.post(f"/v1/sessions/{sid}/turns", json={"messages": ASK, "stream": True, "guided_choice": ["a", "b"]})
+        with trio.fail_after(10):
+            while (await client.get(f"/v1/sessions/{sid}")).json()["busy"]:
+                await trio.sleep(0.05)
+        monkeypatch.setattr(guided.GuideCompiler, "guides", real)
+        after = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": ASK})
+        assert after.status_code == 200, after.text
+        sessions = (await client.get("/metrics")).json()["sessions"]
+    assert (sessions["turns_cancelled"], sessions["turns_committed"]) == (1, 1)
+
+
+async def test_a_turn_replaces_the_sessions_constraint_and_bad_messages_are_400(server):
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        sid = await create(client, guided_choice=["red", "blue"], max_tokens=10)
+        first = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": ASK})
+        assert first.json()["choices"][0]["message"]["content"] in ("red", "blue")
+        other = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": ASK, "guided_regex": "[0-9]{3}"})
+        assert other.status_code == 200, other.text
+        assert re.fullmatch("[0-9]{3}", other.json()["choices"][0]["message"]["content"])
+        for bad in (5, True, "hello"):
+            response = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": bad})
+            assert_error(response, 400, fragment="messages", param="messages")

@@ -36,6 +36,7 @@ SETTINGS = (
     "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "guided_json", "guided_regex", "guided_grammar", "guided_choice",
 )  # fmt: skip
+CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 PLACEHOLDER = [{"role": "user", "content": "-"}]
 
 
@@ -102,11 +103,15 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             body = await body_reader()
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
-            for message in body.get("messages") or []:
+            messages = body.get("messages")
+            for message in messages if isinstance(messages, list) else ():  # other shapes: parse_chat_request says why
                 if isinstance(message, dict) and message.get("role") not in ("user", "tool"):
                     raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
             found = store.get(session_id, trio.current_time())
-            req = parse_chat_request({**found.defaults, **body})
+            defaults = found.defaults
+            if any(k in body for k in CONSTRAINTS):  # a turn's own constraint replaces the session's
+                defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINTS}
+            req = parse_chat_request({**defaults, **body})
             if req.n != 1:
                 raise HTTPError(400, "n: a session turn has exactly one choice", param="n")
             session = store.begin(session_id, trio.current_time())
@@ -121,9 +126,11 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             job.retain = session.id
             job.guides = await compile_guides(engine, req, 1)
             state.parsers(job, req.tools, req.tool_choice)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:
             if session is not None:
                 store.cancel(session, trio.current_time())  # nothing was submitted, so nothing is held
+            if not isinstance(exc, Exception):
+                raise  # cancelled (the client left while the turn was being set up)
             return error_response(exc)
 
         def commit(choice: openai.Choice) -> None:
@@ -153,7 +160,11 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             finally:
                 release()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        response = await job.stream(include_usage)
+        try:
+            response = await job.stream(include_usage)
+        except BaseException:
+            release()  # cancelled while submitting: the turn never started
+            raise
         if response.mimetype == "text/event-stream":
             # Release when the body ends, and also if it never starts (the
             # client left first): the generator is then only collected.
