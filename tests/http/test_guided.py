@@ -273,3 +273,33 @@ async def test_a_turn_replaces_the_sessions_constraint_and_bad_messages_are_400(
         for bad in (5, True, "hello"):
             response = await client.post(f"/v1/sessions/{sid}/turns", json={"messages": bad})
             assert_error(response, 400, fragment="messages", param="messages")
+
+
+async def test_forced_calls_keep_each_tools_definitions_and_bad_parameters_name_the_tool(server):
+    """Parameters with $defs (what openai.pydantic_function_tool makes for a
+    nested model) still compile when the call is forced; a parameters schema
+    that cannot is a 400 naming that tool; a non-object one is refused."""
+    located = {
+        "type": "function",
+        "function": {
+            "name": "place",
+            "parameters": {
+                "$defs": {"Loc": {"type": "object", "properties": {"lat": {"type": "integer"}, "lon": {"type": "integer"}}, "required": ["lat", "lon"], "additionalProperties": False}},
+                "type": "object",
+                "properties": {"where": {"$ref": "#/$defs/Loc"}},
+                "required": ["where"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object", "properties": {"x": {"type": "foo"}}}}}
+    stringly = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        body = await chat(client, tools=[WEATHER, located], tool_choice={"type": "function", "function": {"name": "place"}}, temperature=1.0, seed=6, max_tokens=200)
+        call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "place"
+        jsonschema.validate(json.loads(call["arguments"]), located["function"]["parameters"])
+        bad = await client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER, broken], "tool_choice": "required"})
+        assert_error(bad, 400, fragment="tools[1].function.parameters: invalid parameters schema", param="tools[1].function.parameters")
+        wrong = await client.post("/v1/chat/completions", json={"messages": ASK, "tools": [stringly]})
+        assert_error(wrong, 400, fragment="must be a JSON schema of an object (type 'object'), got type the string 'string'", param="tools[0].function.parameters")

@@ -350,6 +350,11 @@ def _parse_json_object(value: object, _: cattrs.Converter) -> dict | None:
     return value
 
 
+def _object_schema(value: dict) -> None:
+    if "type" in value and value["type"] != "object":
+        raise _Invalid(f"must be a JSON schema of an object (type 'object'), got type {_got(value['type'])}")
+
+
 def _parse_tool_choice(value: object, _: cattrs.Converter) -> ToolChoice | None:
     if value is None:
         return None
@@ -432,7 +437,7 @@ class MessageToolCall:
 class FunctionDef:
     name: str = _field(check=_function_name)
     description: str | None = None
-    parameters: dict | None = _field(None, parse=_parse_json_object)  # a JSON schema
+    parameters: dict | None = _field(None, parse=_parse_json_object, check=_object_schema)  # a JSON schema
     strict: bool | None = None
 
 

@@ -25,9 +25,10 @@ from typing import Any
 
 import trio
 
+from trioserve.errors import RequestError
 from trioserve.http.schemas import ChatMessage, Tool, ToolChoice, guide_spec
-from trioserve.models.guided import GuideSpec
 from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE, CALL_OPEN
 
 FALLBACK_INTRO = "Functions you can call (one JSON line each: name, description, parameters schema):"
@@ -65,13 +66,20 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def call_text(name: str, arguments: str) -> str:
-    """A call as the fallback format writes it."""
+def _arguments_value(arguments: str) -> Any:
+    """A call's arguments as a value (they travel as JSON text); text that
+    is not JSON stays the string it is."""
     try:
-        args: Any = json.loads(arguments)
+        return json.loads(arguments)
     except ValueError:
-        args = arguments  # sent back malformed: show it as the string it is
-    return CALL_OPEN + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + CALL_CLOSE
+        return arguments
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call as the fallback format writes it: compact, exactly as a forced
+    call is generated, so a session's kept KV still matches it."""
+    call = {"name": name, "arguments": _arguments_value(arguments)}
+    return CALL_OPEN + json.dumps(call, ensure_ascii=False, separators=(",", ":")) + CALL_CLOSE
 
 
 def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] | None, choice: ToolChoice | None) -> list[dict]:
@@ -100,29 +108,49 @@ def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] | Non
     return out
 
 
+def _call_schema(tool: Tool) -> dict:
+    """The JSON schema of one call to ``tool``: {"name": its name,
+    "arguments": its parameters}. The parameters' own definitions ($defs,
+    definitions) move to this schema's root, where their "#/$defs/..."
+    references point."""
+    params = dict(tool_json(tool)["parameters"])
+    hoisted = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
+    params.setdefault("type", "object")
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        **hoisted,
+        "x-guidance": {"whitespace_flexible": False},  # compact JSON: no room to wander in whitespace
+    }
+
+
 def forced_call_grammar(tools: Sequence[Tool], choice: ToolChoice) -> str:
     """A grammar (llguidance's Lark dialect) for exactly one call written in
     the fallback format: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
     whose arguments match the function's parameter schema; any of ``tools``
-    for "required", the named one otherwise."""
+    for "required", the named one otherwise. Each function's call is its
+    own JSON schema, so each keeps its own definitions."""
     chosen = [t for t in tools if choice.mode == "required" or t.function.name == choice.name]
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": tool_json(t)["parameters"]},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in chosen
-    ]
-    schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no room to wander in whitespace
-    return "\n".join(
-        [
-            f"start: {json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}",
-            f"call: %json {json.dumps(schema)}",
-        ]
-    )
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(chosen)]
+    calls = " | ".join(f"call_{i}" for i in range(len(chosen)))
+    return "\n".join([f"start: {json.dumps(CALL_OPEN)} ({calls}) {json.dumps(CALL_CLOSE)}", *rules])
+
+
+def _forced_guides(compiler, tools: Sequence[Tool], choice: ToolChoice, n: int) -> list:
+    """Guides for a forced call; a tool whose parameters cannot be compiled
+    is named in the error (tools[i].function.parameters)."""
+    try:
+        return compiler.guides(GuideSpec("grammar", forced_call_grammar(tools, choice), "tool_choice"), n)
+    except RequestError:
+        for i, tool in enumerate(tools):
+            field = f"tools[{i}].function.parameters"
+            try:
+                compiler.guides(GuideSpec("json_schema", _call_schema(tool), field), 1)
+            except RequestError as exc:
+                raise RequestError(str(exc).replace("invalid JSON schema", "invalid parameters schema", 1), field=field) from None
+        raise
 
 
 async def compile_guides(engine, request, n: int) -> list | None:
@@ -130,13 +158,25 @@ async def compile_guides(engine, request, n: int) -> list | None:
     ``request``: its response_format or guided_* field, or the call a
     forcing tool_choice demands; None when it asks for none. Compiled in a
     thread; a bad schema, pattern or grammar is a RequestError naming it."""
-    spec = guide_spec(request)
     choice = getattr(request, "tool_choice", None)
     if choice is not None and choice.mode in ("required", "function"):
-        spec = GuideSpec("grammar", forced_call_grammar(request.tools, choice), "tool_choice")
+        return await trio.to_thread.run_sync(_forced_guides, engine.guides, request.tools, choice, n)
+    spec = guide_spec(request)
     if spec is None:
         return None
     return await trio.to_thread.run_sync(engine.guides.guides, spec, n)
+
+
+def _with_argument_values(message: Mapping[str, Any]) -> dict:
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    shown = []
+    for c in calls:
+        value = _arguments_value(c["function"]["arguments"])
+        arguments = value if isinstance(value, dict) else c["function"]["arguments"]
+        shown.append({**c, "function": {**c["function"], "arguments": arguments}})
+    return {**message, "tool_calls": shown}
 
 
 def render_prompt(
@@ -148,5 +188,8 @@ def render_prompt(
     """The prompt text for a chat: ``messages`` as `message_dict` makes them."""
     offered = tools if tools and (choice is None or choice.mode != "none") else None
     if template_knows_tools(template):
-        return template.render(messages, add_generation_prompt=True, tools=[{"type": "function", "function": tool_json(t)} for t in offered] if offered else None)
+        # Tool-aware templates (Qwen, Llama 3.1, Hermes) serialize arguments
+        # themselves: they get the object, not its JSON text.
+        shown = [_with_argument_values(m) for m in messages]
+        return template.render(shown, add_generation_prompt=True, tools=[{"type": "function", "function": tool_json(t)} for t in offered] if offered else None)
     return template.render(_fallback(messages, offered, choice), add_generation_prompt=True)
