@@ -170,21 +170,11 @@ class Scheduler:
         sampling = [r for r in rows if r.samples]
         index = tuple(i for i, r in enumerate(rows) if r.samples)
         guided = [r.seq.guide for r in sampling]
-        masks: list = [None]
-        if self.guides is not None and any(g is not None for g in guided):
-            # The masks are computed in a thread while the forward pass runs.
-            async with trio.open_nursery() as nursery:
-
-                async def fill() -> None:
-                    try:
-                        masks[0] = await trio.to_thread.run_sync(self.guides.fill_masks, guided)
-                    except Exception as exc:  # noqa: BLE001 - fails the guided rows below
-                        masks[0] = exc
-
-                nursery.start_soon(fill)
-                reply: StepReply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
-        else:
-            reply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
+        masks: list = [None]  # the sampling rows' token masks, or the exception that filling them raised
+        async with trio.open_nursery() as nursery:
+            if self.guides is not None and any(g is not None for g in guided):
+                nursery.start_soon(self._fill_masks, guided, masks)  # in a thread, while the forward pass runs
+            reply: StepReply = await self._call(self.worker, lambda ch: StepRequest(chunks, index, ch))
         if reply.fatal is not None:
             self._die(f"a model step failed part-way: {reply.fatal}")
             return
@@ -217,6 +207,12 @@ class Scheduler:
         now = trio.current_time()
         for row, sampled in zip(sampling, picked.sampled):
             self._commit(row.seq, sampled, now)
+
+    async def _fill_masks(self, guided: list, out: list) -> None:
+        try:
+            out[0] = await trio.to_thread.run_sync(self.guides.fill_masks, guided)
+        except Exception as exc:  # noqa: BLE001 - the step fails its sampling rows with it
+            out[0] = exc
 
     def _commit(self, seq: Sequence, sampled, now: float) -> None:
         if seq.last_token_at is None:

@@ -24,7 +24,7 @@ from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
-from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
+from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params, tools_offered
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.tools import compile_guides, message_dict, render_prompt
 from trioserve.http.write_timeout import WriteTimeout
@@ -53,7 +53,7 @@ class ServerState:
     def parsers(self, job, tools, choice) -> None:
         """Give ``job``'s chat choices an output parser when there is
         anything to split out: tool calls (tools offered) or reasoning."""
-        calls = bool(tools) and (choice is None or choice.mode != "none")
+        calls = tools_offered(tools, choice)
         if calls or self.reasoning:
             suffix = job.id.rsplit("-", 1)[-1][:12]
             job.parser_factory = lambda i: OutputParser(tools=calls, reasoning=self.reasoning, call_id_prefix=f"call_{suffix}{i}")

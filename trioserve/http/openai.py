@@ -13,7 +13,7 @@ import attrs
 
 from trioserve import __version__
 from trioserve.actors.messages import FinalEvent, TokenEvent
-from trioserve.models.output_parser import Delta, Parsed, ToolCall
+from trioserve.models.output_parser import Delta, OutputParser, Parsed, ToolCall
 from trioserve.models.tokenizer import Tokenizer
 
 FINGERPRINT = f"trioserve-{__version__}"

@@ -652,22 +652,26 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     return request
 
 
+def tools_offered(tools: tuple[Tool, ...] | None, choice: ToolChoice | None) -> bool:
+    """Whether the model is shown tools (and its calls are parsed)."""
+    return bool(tools) and (choice is None or choice.mode != "none")
+
+
 def _one_call_only(request: ChatCompletionRequest) -> bool:
     """Tools offered with parallel_tool_calls false: the reply ends after its
     first call (its closing tag is a stop string)."""
-    offered = bool(request.tools) and (request.tool_choice is None or request.tool_choice.mode != "none")
-    return offered and not request.parallel_tool_calls
+    return tools_offered(request.tools, request.tool_choice) and not request.parallel_tool_calls
+
+
+# The fields that constrain the output; a request may set one of them.
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 
 
 def _constraints(request: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """The guided-decoding fields a request sets; more than one is refused."""
-    given = [
-        name
-        for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
-        if getattr(request, name) is not None
-    ]
-    if request.response_format is not None and request.response_format.type != "text":
-        given.insert(0, "response_format")
+    given = [name for name in CONSTRAINT_FIELDS if getattr(request, name) is not None]
+    if request.response_format is not None and request.response_format.type == "text":
+        given.remove("response_format")
     if len(given) > 1:
         _refuse(given[1], f"only one output constraint per request; {given[0]} is already set")
     return given

@@ -25,7 +25,7 @@ from quart import Response
 from trioserve.actors.connection import Connection
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError, error_response, json_response
-from trioserve.http.schemas import parse_chat_request, sampling_params
+from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
 from trioserve.http.tools import compile_guides, message_dict, render_prompt
 from trioserve.state.session_store import Session, SessionStore, Turn
 
@@ -33,10 +33,8 @@ from trioserve.state.session_store import Session, SessionStore, Turn
 SETTINGS = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "max_tokens", "max_completion_tokens", "stop", "logit_bias", "ignore_eos",
-    "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+    "tools", "tool_choice", "parallel_tool_calls", *CONSTRAINT_FIELDS,
 )  # fmt: skip
-CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 PLACEHOLDER = [{"role": "user", "content": "-"}]
 
 
@@ -109,8 +107,8 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
                     raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
             found = store.get(session_id, trio.current_time())
             defaults = found.defaults
-            if any(k in body for k in CONSTRAINTS):  # a turn's own constraint replaces the session's
-                defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINTS}
+            if any(k in body for k in CONSTRAINT_FIELDS):  # a turn's own constraint replaces the session's
+                defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINT_FIELDS}
             req = parse_chat_request({**defaults, **body})
             if req.n != 1:
                 raise HTTPError(400, "n: a session turn has exactly one choice", param="n")

@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from trioserve.errors import RequestError
-from trioserve.http.schemas import ChatMessage, Tool, ToolChoice, guide_spec
+from trioserve.http.schemas import ChatMessage, Tool, ToolChoice, guide_spec, tools_offered
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE, CALL_OPEN
@@ -186,7 +186,7 @@ def render_prompt(
     choice: ToolChoice | None = None,
 ) -> str:
     """The prompt text for a chat: ``messages`` as `message_dict` makes them."""
-    offered = tools if tools and (choice is None or choice.mode != "none") else None
+    offered = tools if tools_offered(tools, choice) else None
     if template_knows_tools(template):
         # Tool-aware templates (Qwen, Llama 3.1, Hermes) serialize arguments
         # themselves: they get the object, not its JSON text.

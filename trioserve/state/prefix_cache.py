@@ -85,11 +85,17 @@ class PrefixCache:
         computes its own last prompt token, so its first new token is sampled
         from its own logits. Marks the hits as used now; counts nothing
         (see `record`), since a request may be matched again while it waits."""
-        usable = (len(tokens) - 1) // self.block_size
+        blocks, keys = self._cached_chain(tokens, (len(tokens) - 1) // self.block_size)
+        self._touch(keys, now)
+        return blocks
+
+    def _cached_chain(self, tokens: Sequence[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """Blocks and keys of the cached chain of ``tokens``' first ``limit``
+        whole blocks, up to the first block the cache does not hold."""
         blocks: list[int] = []
         keys: list[bytes] = []
         parent = ROOT
-        for i in range(usable):
+        for i in range(limit):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = block_key(parent, chunk)
             entry = self._entries.get(key)
@@ -98,8 +104,7 @@ class PrefixCache:
             blocks.append(entry.block)
             keys.append(key)
             parent = key
-        self._touch(keys, now)
-        return blocks
+        return blocks, keys
 
     def _touch(self, chain: list[bytes], now: float) -> None:
         """Mark a chain used, its first block most recent: eviction then takes
@@ -143,18 +148,7 @@ class PrefixCache:
         """Pin the cached chain of ``tokens``' full blocks for ``owner``,
         replacing what it pinned before. Returns the tokens pinned (the
         chain stops at the first block not in the cache)."""
-        blocks: list[int] = []
-        keys: list[bytes] = []
-        parent = ROOT
-        for i in range(len(tokens) // self.block_size):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            key = block_key(parent, chunk)
-            entry = self._entries.get(key)
-            if entry is None or entry.tokens != chunk:
-                break
-            blocks.append(entry.block)
-            keys.append(key)
-            parent = key
+        blocks, keys = self._cached_chain(tokens, len(tokens) // self.block_size)
         self.pool.share(blocks)  # before letting the old pins go: they may overlap
         self._pin_counts.update(blocks)
         self.unpin(owner)
