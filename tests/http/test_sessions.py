@@ -118,3 +118,43 @@ async def test_unknown_deleted_and_bad_requests(server):
             assert_error(too_long, 400, fragment=f"the maximum model length is {MAX_MODEL_LEN}", param="messages", code="context_length_exceeded")
             state = (await client.get(f"/v1/sessions/{sid}")).json()
             assert state["turns"] == 0 and state["busy"] is False
+
+
+async def test_sessions_take_any_seed_chat_takes_and_every_turn_runs(server):
+    """A seed past 2**63, or negative, is folded as chat folds it, at
+    create time, so no turn of that session is refused for it; and the
+    turn equals stateless chat with that seed."""
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            for seed in (2**63, 2**64 + 5, -3):
+                sid = await create(client, seed=seed, temperature=0.9, max_tokens=5, ignore_eos=True)
+                described = (await client.get(f"/v1/sessions/{sid}")).json()
+                assert 0 <= described["seed"] < 2**63
+                first = await turn(client, sid, "hello")
+                await turn(client, sid, "again")
+                chat = await client.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hello"}], "seed": seed, "temperature": 0.9, "max_tokens": 5, "ignore_eos": True},
+                )
+                assert chat.status_code == 200, chat.text
+                assert first["choices"][0]["message"]["content"] == chat.json()["choices"][0]["message"]["content"]
+
+
+async def test_session_settings_no_turn_could_use_are_refused_at_create(server):
+    with trio.fail_after(30):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            before = (await client.get("/metrics")).json()["sessions"]["active"]
+            huge = await client.post("/v1/sessions", json={"max_tokens": 2**64})
+            assert_error(huge, 400, fragment="max_tokens: 18446744073709551616 can never fit", param="max_tokens")
+            edge = await client.post("/v1/sessions", json={"max_completion_tokens": MAX_MODEL_LEN})
+            assert_error(edge, 400, fragment=f"at most {MAX_MODEL_LEN - 1} new tokens", param="max_completion_tokens")
+            seed = await client.post("/v1/sessions", json={"seed": "7"})
+            assert_error(seed, 400, fragment="expected an integer", param="seed")
+            model = await client.post("/v1/sessions", json={"model": 5})
+            assert_error(model, 400, fragment="model: expected a string", param="model")
+            chat_model = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "model": ["tiny"]})
+            assert_error(chat_model, 400, fragment="model", param="model")
+            after = (await client.get("/metrics")).json()["sessions"]["active"]
+            assert after == before  # nothing was created on refusal
+            fits = await client.post("/v1/sessions", json={"max_tokens": MAX_MODEL_LEN - 1})
+            assert fits.status_code == 200, fits.text

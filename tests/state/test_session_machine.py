@@ -62,7 +62,7 @@ from trioserve.state.kv_pool import BlockPool
 from trioserve.state.prefix_cache import ROOT, PrefixCache, block_key, held_key
 from trioserve.state.scheduling import SchedulingPolicy
 from trioserve.state.sequence import Sequence
-from trioserve.state.session_store import Session, SessionBusy, SessionNotFound, SessionStore, Turn
+from trioserve.state.session_store import Session, SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn, TurnLease
 from trioserve.state.stops import StopMatcher
 
 BS = 2  # tokens per block
@@ -105,6 +105,7 @@ class Flight:
 
     seq: Sequence
     new: list[int]
+    lease: TurnLease  # the turn's identity in the store
     reason: str | None = None
 
 
@@ -118,6 +119,7 @@ class Live:
     history_bytes: int = 0
     turns: int = 0
     flight: Flight | None = None
+    messages: list[dict] = attrs.field(factory=list)  # committed history, in order
 
     @property
     def busy(self) -> bool:
@@ -168,6 +170,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.zombies: list[Sequence] = []  # cancelled, dropped at the next iteration
         self.strays: list[Sequence] = []  # abandoned turns the scheduler has not noticed: they run on
         self.stateless: list[Sequence] = []
+        self.spent: list[TurnLease] = []  # leases of turns that ended (committed or cancelled)
 
     # -- the server's wiring ------------------------------------------------
     def on_remove(self, sid: str) -> None:
@@ -392,9 +395,10 @@ class SessionMachine(RuleBasedStateMachine):
             self.check_removed(expected)
             return None
         live = self.live[sid]
-        session = self.store.begin(sid, self.now)
+        lease = self.store.begin(sid, self.now)
+        session = lease.session
         self.check_removed(expected)
-        assert session is live.session and session.busy
+        assert session is live.session and session.busy and lease.current
         self.touch(sid)
         seq = self.new_seq(live.tokens + new, max_tokens, sid)
         try:
@@ -402,12 +406,13 @@ class SessionMachine(RuleBasedStateMachine):
         except RequestTooLarge:
             # Nothing was submitted: the store cancels, no order is sent.
             assert len(seq.prompt_ids) + max_tokens > MAX_LEN
-            assert self.store.cancel(session, self.now)
+            assert self.store.cancel(lease, self.now)
+            self.spent.append(lease)
             self.cancelled += 1
             self.touch(sid)
             return None
         self.retains[seq.id] = self.owner_of[seq.id] = sid
-        live.flight = Flight(seq, new)
+        live.flight = Flight(seq, new, lease)
         if wake:
             self.iterate()
         return live.flight
@@ -449,7 +454,8 @@ class SessionMachine(RuleBasedStateMachine):
             return
         live = self.live[sid]
         request_id = live.flight.seq.id
-        assert self.store.cancel(live.session, self.now)
+        assert self.store.cancel(live.flight.lease, self.now)
+        self.spent.append(live.flight.lease)
         live.flight = None
         self.cancelled += 1
         self.touch(sid)
@@ -459,14 +465,21 @@ class SessionMachine(RuleBasedStateMachine):
         live = self.live[sid]
         flight = live.flight
         seq = flight.seq
+        # Each turn's messages name its request, so the history's order shows.
+        messages = (
+            {"role": "user", "content": "u" * len(flight.new), "name": seq.id},
+            {"role": "assistant", "content": "a" * len(seq.output_ids), "name": seq.id},
+        )
         turn = Turn(
-            messages=({"role": "user", "content": "u" * len(flight.new)}, {"role": "assistant", "content": "a" * len(seq.output_ids)}),
+            messages=messages,
             seed=seq.seed,
             draw_end=seq.draw_index,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=seq.generated,
         )
-        self.store.commit(live.session, turn, self.now)
+        self.store.commit(flight.lease, turn, self.now)
+        self.spent.append(flight.lease)
+        live.messages.extend(messages)
         live.flight = None
         live.tokens = seq.history()
         live.history_bytes += len(flight.new) + len(seq.output_ids)
@@ -476,7 +489,7 @@ class SessionMachine(RuleBasedStateMachine):
         # Committing can evict, even this session (its history over the bytes limit).
         self.check_removed(self.model_enforce())
         self.settle(sid, "commit", seq.id)  # engine.settle_retained(commit=True), after the store
-        assert not self.store.cancel(live.session, self.now)  # release(): nothing left to cancel
+        assert not self.store.cancel(flight.lease, self.now)  # release(): nothing left to cancel
 
     @precondition(lambda self: self.running_ids())
     @rule(
@@ -514,11 +527,50 @@ class SessionMachine(RuleBasedStateMachine):
             self.zombies.append(seq)
         else:
             self.strays.append(seq)
-        assert self.store.cancel(live.session, self.now)
+        assert self.store.cancel(live.flight.lease, self.now)
+        self.spent.append(live.flight.lease)
         live.flight = None
         self.cancelled += 1
         self.touch(sid)
         self.settle(sid, "cancel", seq.id)  # engine.settle_retained(commit=False)
+
+    @precondition(lambda self: self.spent)
+    @rule(data=st.data())
+    def stale_settle(self, data):
+        """A turn that ended is settled again, late (the body's finalizer,
+        a second cleanup path): its cancel does nothing and its commit is
+        refused, whatever turn its session runs now. The HTTP side sends an
+        order only when its cancel returned True, so none goes out."""
+        lease = data.draw(st.sampled_from(self.spent), label="lease")
+        assert not lease.current
+        assert not self.store.cancel(lease, self.now)
+        with pytest.raises(StaleTurn):
+            self.store.commit(lease, Turn(({"role": "user", "content": "stale"},), 1, 99, 1, 1), self.now)
+
+    @precondition(lambda self: self.running_ids())
+    @rule(
+        data=st.data(),
+        new=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=4),
+        max_tokens=st.integers(1, 4),
+        noticed=st.booleans(),
+        token=st.sampled_from(SAMPLED),
+    )
+    def cut_then_next(self, data, new, max_tokens, noticed, token):
+        """A streamed turn is cut at whatever event it has reached, and the
+        client starts the next turn at once on another connection; then the
+        cut turn's cleanup runs again, late. The next turn keeps running (a
+        third is still refused) and later settles on its own."""
+        sid = data.draw(st.sampled_from(self.running_ids()), label="session")
+        cut = self.live[sid].flight.lease
+        self.abandon_turn(sid, noticed=noticed)
+        flight = self.begin_turn(sid, new, max_tokens, wake=data.draw(st.booleans(), label="wake"))
+        assert not self.store.cancel(cut, self.now)  # the late cleanup
+        if flight is None:
+            return
+        assert self.store.get(sid, self.now).busy and flight.lease.current
+        with pytest.raises(SessionBusy):
+            self.store.begin(sid, self.now)
+        self.iterate(token)
 
     @precondition(lambda self: self.strays)
     @rule(data=st.data())
@@ -649,6 +701,7 @@ class SessionMachine(RuleBasedStateMachine):
         for live in self.live.values():
             s = live.session
             assert (s.busy, s.turns, s.last_used, s.history_bytes()) == (live.busy, live.turns, live.last_used, live.history_bytes)
+            assert s.messages == live.messages, "the history is not exactly the committed turns, in order"
         assert len(self.store) <= max(MAX_SESSIONS, busy)
         # Every turn in flight belongs to a live session, and its sequence is
         # the scheduler's; the scheduler has nothing else but abandoned turns
@@ -734,7 +787,7 @@ class SessionMachine(RuleBasedStateMachine):
         for sid, live in self.live.items():
             if live.busy:
                 request_id = live.flight.seq.id
-                assert self.store.cancel(live.session, self.now)
+                assert self.store.cancel(live.flight.lease, self.now)
                 self.settle(sid, "cancel", request_id)
         for sid in self.ids:
             self.settle(sid, "forget")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trioserve.state.session_store import SessionBusy, SessionNotFound, SessionStore, Turn
+from trioserve.state.session_store import SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn
 
 
 def reply(text: str, draw_end: int = 0) -> Turn:
@@ -17,11 +17,11 @@ def reply(text: str, draw_end: int = 0) -> Turn:
 def test_commit_changes_the_session_and_cancel_does_not():
     store = SessionStore()
     s = store.create(0.0, system="sys", defaults={"temperature": 0}, seed=None)
-    store.begin(s.id, 1.0)
-    store.cancel(s, 2.0)
+    lease = store.begin(s.id, 1.0)
+    store.cancel(lease, 2.0)
     assert (s.turns, s.messages, s.draw_index, s.busy) == (0, [], 0, False)
-    store.begin(s.id, 3.0)
-    store.commit(s, reply("hi", draw_end=5), 4.0)
+    lease = store.begin(s.id, 3.0)
+    store.commit(lease, reply("hi", draw_end=5), 4.0)
     assert (s.turns, s.draw_index, s.seed, s.prompt_tokens, s.completion_tokens, s.busy) == (1, 5, 7, 3, 2, False)
     assert s.conversation([{"role": "user", "content": "next"}])[0] == {"role": "system", "content": "sys"}
     assert store.stats() == {"active": 1, "busy": 0, "evicted": 0, "turns_committed": 1, "turns_cancelled": 1}
@@ -30,12 +30,12 @@ def test_commit_changes_the_session_and_cancel_does_not():
 def test_one_turn_at_a_time_and_busy_sessions_cannot_be_deleted():
     store = SessionStore()
     s = store.create(0.0)
-    store.begin(s.id, 0.0)
+    lease = store.begin(s.id, 0.0)
     with pytest.raises(SessionBusy, match="already has a turn running"):
         store.begin(s.id, 0.0)
     with pytest.raises(SessionBusy, match="delete it after the turn ends"):
         store.delete(s.id, 0.0)
-    store.cancel(s, 0.0)
+    store.cancel(lease, 0.0)
     store.delete(s.id, 0.0)
     with pytest.raises(SessionNotFound, match="no session"):
         store.get(s.id, 0.0)
@@ -68,11 +68,9 @@ def test_idle_limit_expires_sessions_not_used_recently():
 def test_history_bytes_limit_evicts_oldest_idle_histories():
     store = SessionStore(max_history_bytes=10)
     a = store.create(0.0)
-    store.begin(a.id, 0.0)
-    store.commit(a, reply("12345678"), 1.0)  # 8 + 1 ("q") bytes
+    store.commit(store.begin(a.id, 0.0), reply("12345678"), 1.0)  # 8 + 1 ("q") bytes
     b = store.create(2.0)
-    store.begin(b.id, 2.0)
-    store.commit(b, reply("abcd"), 3.0)  # total 9 + 5 > 10: a (least recent) goes
+    store.commit(store.begin(b.id, 2.0), reply("abcd"), 3.0)  # total 9 + 5 > 10: a (least recent) goes
     with pytest.raises(SessionNotFound):
         store.get(a.id, 3.0)
     assert store.get(b.id, 3.0).history_bytes() == 5
@@ -81,8 +79,32 @@ def test_history_bytes_limit_evicts_oldest_idle_histories():
 def test_tool_calls_count_towards_history_bytes():
     store = SessionStore()
     s = store.create(0.0)
-    store.begin(s.id, 0.0)
+    lease = store.begin(s.id, 0.0)
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     turn = Turn(messages=({"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}), seed=1, draw_end=0, prompt_tokens=1, completion_tokens=1)
-    store.commit(s, turn, 1.0)
+    store.commit(lease, turn, 1.0)
     assert s.history_bytes() == 1 + len(json.dumps(calls))
+
+
+def test_a_settled_turn_can_never_settle_a_later_one():
+    """A turn's lease ends with it: a late cancel (a finalizer, a second
+    cleanup path) of turn A while turn B runs does nothing, and a late
+    commit is refused; B alone commits, once."""
+    store = SessionStore()
+    s = store.create(0.0)
+    a = store.begin(s.id, 0.0)
+    assert store.cancel(a, 1.0)  # A is cut
+    b = store.begin(s.id, 2.0)  # B begins at once
+    assert not store.cancel(a, 3.0)  # A's cleanup again: B keeps running
+    assert s.busy
+    with pytest.raises(SessionBusy):
+        store.begin(s.id, 3.0)  # so a third turn is still refused
+    with pytest.raises(StaleTurn, match="already ended"):
+        store.commit(a, reply("from A"), 3.0)
+    assert (s.turns, s.messages) == (0, [])
+    store.commit(b, reply("from B", draw_end=4), 4.0)
+    assert (s.turns, s.messages[-1]["content"], s.draw_index) == (1, "from B", 4)
+    assert not store.cancel(b, 5.0)  # B's own release after its commit: nothing to do
+    with pytest.raises(StaleTurn):
+        store.commit(b, reply("twice"), 5.0)  # and it commits only once
+    assert s.turns == 1 and store.stats()["turns_cancelled"] == 1

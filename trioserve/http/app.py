@@ -233,7 +233,9 @@ def _model_card(state: ServerState) -> dict:
     return card
 
 
-def _check_model(state: ServerState, name: str | None) -> None:
+def _check_model(state: ServerState, name: object) -> None:
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f"model: expected a string, got {type(name).__name__}", field="model")
     if name is not None and name != state.model_name:
         raise HTTPError(404, f"the model {name!r} does not exist (this server serves {state.model_name!r})", param="model", code="model_not_found")
 

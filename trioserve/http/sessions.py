@@ -24,10 +24,12 @@ from quart import Response
 
 from trioserve.actors.connection import Connection
 from trioserve.http import openai
+from trioserve.errors import RequestError
 from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.models.sampling import SEED_LIMIT
 from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
 from trioserve.http.tools import compile_guides, message_dict, render_prompt
-from trioserve.state.session_store import Session, SessionStore, Turn
+from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
 
 # Chat fields a session keeps as defaults for its turns.
 SETTINGS = (
@@ -38,11 +40,31 @@ SETTINGS = (
 PLACEHOLDER = [{"role": "user", "content": "-"}]
 
 
-def _check_settings(body: dict) -> dict:
-    """The session settings in ``body``, validated exactly as chat fields are."""
+def _check_settings(body: dict, engine) -> dict:
+    """The session settings in ``body``, validated exactly as chat fields
+    are, and refused now when no turn could ever run with them: a
+    max_tokens that leaves no room for even a one-token prompt."""
     settings = {k: body[k] for k in SETTINGS if k in body}
-    parse_chat_request({"messages": PLACEHOLDER, **settings})
+    req = parse_chat_request({"messages": PLACEHOLDER, **settings})
+    stats = engine.statistics()
+    room = min(engine.max_model_len, stats.kv_blocks_total * stats.block_size) - 1
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = getattr(req, field)
+        if value is not None and value > room:
+            raise RequestError(
+                f"{field}: {value} can never fit; this server has room for at most {room} new tokens beside a turn's prompt",
+                field=field,
+            )
     return settings
+
+
+def _session_seed(body: dict) -> int | None:
+    """The session's seed: any integer the chat route accepts, folded into
+    the engine's range the same way (so every turn accepts it)."""
+    if body.get("seed") is None:
+        return None
+    req = parse_chat_request({"messages": PLACEHOLDER, "seed": body["seed"]})
+    return req.seed % SEED_LIMIT
 
 
 def add_session_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
@@ -61,7 +83,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
     @app.route("/v1/sessions", methods=["POST"])
     async def create_session() -> Response:
         try:
-            state.ready()
+            engine = state.ready()
             body = await body_reader()
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
@@ -69,10 +91,8 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             system = body.get("system")
             if system is not None and not isinstance(system, str):
                 raise HTTPError(400, "system: expected a string", param="system")
-            seed = body.get("seed")
-            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-                raise HTTPError(400, f"seed: expected a whole number of at least 0, got {seed!r}", param="seed")
-            defaults = _check_settings(body)
+            seed = _session_seed(body)
+            defaults = _check_settings(body, engine)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time())
@@ -95,7 +115,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
 
     @app.route("/v1/sessions/<session_id>/turns", methods=["POST"])
     async def turn(session_id: str) -> Response:
-        session: Session | None = None  # set once this request has pinned the session
+        lease: TurnLease | None = None  # set once this request has pinned the session
         try:
             engine = state.ready()
             body = await body_reader()
@@ -112,7 +132,8 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             req = parse_chat_request({**defaults, **body})
             if req.n != 1:
                 raise HTTPError(400, "n: a session turn has exactly one choice", param="n")
-            session = store.begin(session_id, trio.current_time())
+            lease = store.begin(session_id, trio.current_time())
+            session = lease.session
             new = [message_dict(m) for m in req.messages]
             prompt_ids = engine.tokenizer.encode(render_prompt(state.template, session.conversation(new), req.tools, req.tool_choice))
             params = sampling_params(req, default_max_tokens=default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
@@ -125,8 +146,8 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             job.guides = await compile_guides(engine, req, 1)
             state.parsers(job, req.tools, req.tool_choice)
         except BaseException as exc:
-            if session is not None:
-                store.cancel(session, trio.current_time())  # nothing was submitted, so nothing is held
+            if lease is not None:
+                store.cancel(lease, trio.current_time())  # nothing was submitted, so nothing is held
             if not isinstance(exc, Exception):
                 raise  # cancelled (the client left while the turn was being set up)
             return error_response(exc)
@@ -140,15 +161,15 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
                 prompt_tokens=final.usage.prompt_tokens,
                 completion_tokens=final.usage.completion_tokens,
             )
-            store.commit(session, turn, trio.current_time())
+            store.commit(lease, turn, trio.current_time())  # StaleTurn (nothing changed) if this turn ended already
             engine.settle_retained(session.id, job.request_id, commit=True)  # its KV is the session's now
 
         def release() -> None:
             # Runs once the response is over, and perhaps again from the
             # garbage collector's finalizer, possibly after trio has stopped.
-            if not session.busy:
-                return  # committed, or released already
-            if store.cancel(session, _now(session.last_used)):
+            # Only this turn's lease can end this turn, once: a late call
+            # does nothing, whatever turn the session is running by then.
+            if store.cancel(lease, _now(session.last_used)):
                 engine.settle_retained(session.id, job.request_id, commit=False)
 
         job.on_final = commit
@@ -166,8 +187,13 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
         if response.mimetype == "text/event-stream":
             # Release when the body ends, and also if it never starts (the
             # client left first): the generator is then only collected.
-            wrapped = _then(response.response.iter, release)
-            weakref.finalize(wrapped, release)
+            # The finalizer is detached as soon as the body's own cleanup ran.
+            def body_ended() -> None:
+                release()
+                finalizer.detach()
+
+            wrapped = _then(response.response.iter, body_ended)
+            finalizer = weakref.finalize(wrapped, release)
             response.response.iter = wrapped
         else:
             release()

@@ -5,7 +5,10 @@ no trio, no torch; the HTTP connection drives it.
 A turn *begins* (the session is pinned: one turn at a time), generates
 provisionally, and then either *commits* (history, draw position and usage
 change) or *cancels* (nothing changes, so a retry starts from the same
-place). Idle sessions are evicted least recently used beyond the count limit
+place). `begin` hands out a `TurnLease`, the turn's identity: only the
+lease of the turn that is running may commit or cancel it, and only once. A
+late or repeated settle from a turn that already ended (a finalizer, a
+second cleanup path) is then harmless: it can never end a later turn. Idle sessions are evicted least recently used beyond the count limit
 or after the idle limit; a pinned session is never evicted. Nothing
 persists across restarts."""
 
@@ -30,6 +33,12 @@ class SessionBusy(TrioserveError):
     """A turn is already running on this session (HTTP 409)."""
 
 
+class StaleTurn(TrioserveError):
+    """A commit from a turn that is no longer the session's running turn
+    (it was cancelled, or committed already). A bug in the caller, never
+    the client's doing: it must not change the session."""
+
+
 @attrs.define(eq=False)
 class Session:
     id: str
@@ -42,8 +51,14 @@ class Session:
     turns: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    busy: bool = False
+    turn_number: int | None = None  # the running turn's lease number; None when idle
     last_used: float = 0.0
+    leases: int = 0  # leases handed out so far: the next one's number
+
+    @property
+    def busy(self) -> bool:
+        """A turn is running (begun, neither committed nor cancelled)."""
+        return self.turn_number is not None
 
     def conversation(self, new: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
         """System message (if any), committed history, then ``new``."""
@@ -61,6 +76,20 @@ def _message_bytes(message: Mapping[str, Any]) -> int:
     if message.get("tool_calls"):
         size += len(json.dumps(message["tool_calls"], ensure_ascii=False).encode())
     return size
+
+
+@attrs.frozen(eq=False)
+class TurnLease:
+    """One turn's right to settle its session: handed out by `begin`, valid
+    until that turn commits or cancels. Compared by identity."""
+
+    session: Session
+    number: int
+
+    @property
+    def current(self) -> bool:
+        """This is still the session's running turn."""
+        return self.session.turn_number == self.number
 
 
 @attrs.frozen
@@ -127,35 +156,41 @@ class SessionStore:
             raise SessionBusy(f"session {session_id!r} has a turn running; delete it after the turn ends")
         self._remove(session_id)
 
-    def begin(self, session_id: str, now: float) -> Session:
-        """Pin the session for a turn."""
+    def begin(self, session_id: str, now: float) -> TurnLease:
+        """Pin the session for a turn; the lease is that turn's identity."""
         session = self.get(session_id, now)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} already has a turn running")
-        session.busy = True
+        session.leases += 1
+        session.turn_number = session.leases
         self._touch(session, now)
-        return session
+        return TurnLease(session, session.leases)
 
-    def commit(self, session: Session, turn: Turn, now: float) -> None:
-        """The turn's final response was chosen: it becomes history."""
-        assert session.busy, "commit without begin"
+    def commit(self, lease: TurnLease, turn: Turn, now: float) -> None:
+        """The leased turn's final response was chosen: it becomes history.
+        Raises StaleTurn (changing nothing) when that turn already ended."""
+        session = lease.session
+        if not lease.current:
+            raise StaleTurn(f"session {session.id!r}: turn {lease.number} already ended; it cannot commit")
         session.messages.extend(dict(m) for m in turn.messages)
         session.seed = turn.seed
         session.draw_index = turn.draw_end
         session.turns += 1
         session.prompt_tokens += turn.prompt_tokens
         session.completion_tokens += turn.completion_tokens
-        session.busy = False
+        session.turn_number = None
         self.committed += 1
         self._touch(session, now)
         self._enforce_count()
 
-    def cancel(self, session: Session, now: float) -> bool:
-        """The turn ended without a final response: nothing changes. False
-        when there was no turn to cancel (it committed, or was cancelled)."""
-        if not session.busy:
+    def cancel(self, lease: TurnLease, now: float) -> bool:
+        """The leased turn ended without a final response: nothing changes.
+        False, and nothing done, when that turn had already ended (committed
+        or cancelled), whatever turn the session runs now."""
+        session = lease.session
+        if not lease.current:
             return False
-        session.busy = False
+        session.turn_number = None
         self.cancelled += 1
         if session.id in self._sessions:
             self._touch(session, now)
