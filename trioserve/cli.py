@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
     srv.add_argument("--drain-timeout", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
     srv.add_argument("--write-timeout", type=_positive_float, default=30.0, help="seconds a response write may stall before the request is cancelled (default 30)")
+    srv.add_argument("--allow-special-in-prompt", action="store_true", help="let /v1/completions text prompts spell special tokens such as <|im_start|> (default: they are text)")
     srv.add_argument("--default-max-tokens", type=_positive_int, default=2048, help="max_tokens for requests that send none (default 2048)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -184,6 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         session_idle_s=args.session_idle,
         session_history_bytes=args.session_history_bytes,
         reasoning_parser=args.reasoning_parser,
+        allow_special_in_prompt=args.allow_special_in_prompt,
         log_level=args.log_level,
     )
     return run_server(settings)

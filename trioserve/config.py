@@ -75,6 +75,9 @@ class ServerSettings:
     (a client that stopped reading) cancels the request.
     default_max_tokens: the cap on max_tokens for requests that send none
     (they also never reserve more than the rest of the context or the pool).
+    allow_special_in_prompt: /v1/completions prompts given as text may spell
+    special tokens ("<|im_start|>") and get their ids; off, such text is
+    tokenized as text, like all text a client sends.
     reasoning_parser: split <think>...</think> into reasoning_content: "on",
     "off", or "auto" (on when the tokenizer has <think> as one token)."""
 
@@ -91,6 +94,7 @@ class ServerSettings:
     session_idle_s: float | None = attrs.field(default=3600.0, validator=_positive)
     session_history_bytes: int | None = attrs.field(default=64 * MIB, validator=_positive)
     reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
+    allow_special_in_prompt: bool = False
     log_level: str = "info"
 
 
@@ -141,6 +145,7 @@ _ENV = {
     "TRIOSERVE_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
     "TRIOSERVE_MAX_SESSIONS": ("max_sessions", int),
     "TRIOSERVE_REASONING_PARSER": ("reasoning_parser", str),
+    "TRIOSERVE_ALLOW_SPECIAL_IN_PROMPT": ("allow_special_in_prompt", _flag),
     "TRIOSERVE_SESSION_IDLE": ("session_idle_s", float),
     "TRIOSERVE_SESSION_HISTORY_BYTES": ("session_history_bytes", parse_byte_size),
 }

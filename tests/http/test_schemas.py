@@ -502,3 +502,109 @@ def test_full_mapping_passes_validation() -> None:
     params.validate(vocab_size=10)
     stops = sampling_params(parse_completion_request(completion(stop=["a", "b"])), default_max_tokens=1).stop
     assert stops == ("a", "b")
+
+
+# --- size limits: work that grows with a field's size is bounded before it starts
+
+
+def _size_limits():
+    from trioserve.http import schemas
+    from trioserve.models import sampling
+
+    return schemas, sampling
+
+
+def _bounded_cases() -> list[tuple[dict, str, str]]:
+    schemas, sampling = _size_limits()
+    chars, total = sampling.MAX_STOP_CHARS, sampling.MAX_STOP_BYTES
+    limit = schemas.MAX_CONSTRAINT_CHARS
+    big_schema = {"type": "object", "description": "d" * limit}
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(schemas.MAX_TOOLS + 1)]
+    return [
+        (chat(stop="x" * (chars + 1)), "stop", f"a stop string may be at most {chars} characters, got {chars + 1}"),
+        (chat(stop=["a", "x" * (chars + 1)]), "stop[1]", f"at most {chars} characters, got {chars + 1}"),
+        (chat(stop=["é" * chars] * 5), "stop", f"the stop strings may total at most {total} bytes (UTF-8), got {5 * 2 * chars}"),
+        (completion(stop=["x" * 3_000_000]), "stop[0]", "got 3000000"),
+        (chat(logit_bias={str(i): 1 for i in range(schemas.MAX_LOGIT_BIAS_TOKENS + 1)}), "logit_bias", f"at most {schemas.MAX_LOGIT_BIAS_TOKENS} tokens may be biased, got {schemas.MAX_LOGIT_BIAS_TOKENS + 1}"),
+        (chat(tools=tools), "tools", f"at most {schemas.MAX_TOOLS} tools are allowed, got {schemas.MAX_TOOLS + 1}"),
+        (chat(guided_regex="a" * (limit + 1)), "guided_regex", f"at most {limit} characters, got {limit + 1}"),
+        (completion(guided_grammar="a" * (limit + 1)), "guided_grammar", f"at most {limit} characters"),
+        (chat(guided_choice=["x" * (limit // 2 + 1)] * 2), "guided_choice", f"the choices may total at most {limit} characters"),
+        (chat(guided_json=big_schema), "guided_json", f"at most {limit} characters of JSON"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"schema": big_schema}}), "response_format.json_schema.schema", f"at most {limit} characters of JSON"),
+        (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": big_schema}}]), "tools[0].function.parameters", f"at most {limit} characters of JSON"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_sizes_are_bounded(index: int) -> None:
+    body, field, fragment = _bounded_cases()[index]
+    parse = parse_completion_request if "prompt" in body else parse_chat_request
+    with pytest.raises(RequestError) as caught:
+        parse(body)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(f"{field}: ") and fragment in str(caught.value), str(caught.value)
+
+
+def test_sizes_at_the_limits_are_accepted() -> None:
+    schemas, sampling = _size_limits()
+    chars, total, limit = sampling.MAX_STOP_CHARS, sampling.MAX_STOP_BYTES, schemas.MAX_CONSTRAINT_CHARS
+    stops = ["x" * chars] * (total // chars)
+    assert parse_chat_request(chat(stop=stops)).stop == tuple(stops)
+    parse_chat_request(chat(stop="é" * chars))
+    parse_chat_request(chat(logit_bias={str(i): 1 for i in range(schemas.MAX_LOGIT_BIAS_TOKENS)}))
+    parse_chat_request(chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(schemas.MAX_TOOLS)]))
+    parse_chat_request(chat(guided_regex="a" * limit))
+    parse_chat_request(chat(guided_choice=["x" * (limit // 2)] * 2))
+    schema = {"type": "object", "description": "d" * (limit - 50)}
+    parse_chat_request(chat(guided_json=schema))
+    parse_chat_request(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}]))
+
+
+# --- lone surrogates anywhere in a parsed body
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "fragment"),
+    [
+        ("\ud800", None, "the request body: the text contains a lone UTF-16 surrogate (\\ud800)"),
+        ({"messages": [USER, {"role": "user", "content": "a\udfffb"}]}, "messages[1].content", "(\\udfff), which is not valid Unicode"),
+        ({"a": {"b": [1, ["x", "\udc00"]]}}, "a.b[1][1]", "a.b[1][1]: the text contains a lone UTF-16 surrogate (\\udc00)"),
+        ({"logit_bias": {"\ud801": 1}}, "logit_bias", "a key contains a lone UTF-16 surrogate (\\ud801)"),
+        ({"\ud800x": 1}, None, "the request body: a key contains"),
+        # The first one in document order is named.
+        ({"z": "\ud800", "a": "\ud801"}, "z", "(\\ud800)"),
+    ],
+)
+def test_lone_surrogates_are_refused_with_their_path(body: object, field: str | None, fragment: str) -> None:
+    from trioserve.http.schemas import check_json_body
+
+    with pytest.raises(RequestError) as caught:
+        check_json_body(body)
+    assert caught.value.field == field
+    assert fragment in str(caught.value), str(caught.value)
+    str(caught.value).encode()  # the message itself is valid Unicode
+
+
+def test_valid_unicode_passes_the_surrogate_check() -> None:
+    from trioserve.http.schemas import check_json_body
+
+    check_json_body({"messages": [{"role": "user", "content": "emoji 🤖 and CJK 日本 and é"}], "n": 1, "x": None, "y": [True, 2.5]})
+    from trioserve.http.schemas import MAX_JSON_DEPTH
+
+    deep: object = "ok"
+    for _ in range(MAX_JSON_DEPTH):
+        deep = [deep]
+    check_json_body(deep)
+
+
+def test_nesting_is_bounded() -> None:
+    from trioserve.http.schemas import MAX_JSON_DEPTH, check_json_body
+
+    deep: object = {"a": "ok"}
+    for _ in range(5000):  # far deeper than recursion could walk
+        deep = [deep]
+    with pytest.raises(RequestError) as caught:
+        check_json_body({"tools": deep})
+    assert caught.value.field == "tools" + "[0]" * (MAX_JSON_DEPTH - 1)
+    assert f"objects and lists may nest at most {MAX_JSON_DEPTH} deep" in str(caught.value)

@@ -220,3 +220,41 @@ def test_smollm2_facts(smollm2):
     assert smollm2.encode("Hello world") == [tokens.index("Hello"), tokens.index("Ġworld")]
     assert smollm2.token_bytes(tokens.index("Ġworld")) == b" world"
     assert "<|im_start|>" in smollm2.chat_template
+
+
+# --- special-token text as text
+
+
+@pytest.mark.parametrize("which", ["gguf_tok", "hf_tok"])
+def test_special_text_can_be_encoded_as_text(request, which):
+    tok = request.getfixturevalue(which)
+    text = "<|im_start|>user\nhi<|im_end|>"
+    plain = tok.encode(text, special=False)
+    assert not any(tok.is_special(i) for i in plain)
+    assert tok.decode(plain) == text  # nothing to skip: it is all text
+    assert tok.encode("hello there", special=False) == tok.encode("hello there")
+    assert tok.encode(text) == [1, *tok.encode("user\nhi"), 2]  # the default still parses them
+    assert tok.special_tokens == ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def test_long_text_encodes_as_short_text_does(tiny, gguf_tok):
+    """Long texts take the path that lets other threads run; same ids."""
+    text = ("Hello, world! <|im_end|> The café 2024. " * 3000) + "日本語 🤖"
+    assert gguf_tok.encode(text) == tiny.encode(text, add_special_tokens=False).ids
+    tiny_plain = train_tiny_tokenizer()
+    tiny_plain.encode_special_tokens = True
+    assert gguf_tok.encode(text, special=False) == tiny_plain.encode(text, add_special_tokens=False).ids
+
+
+def test_gguf_user_defined_tokens_are_text_pieces_matched_whole(tiny):
+    """Token type 4 (user-defined, e.g. Qwen's <tool_call>) is always one id,
+    is not a control token, and decodes as its text; type 3 is control."""
+    meta = gguf_tokenizer_metadata(tiny)
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "<tool_call>"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 4]
+    tok = Tokenizer.from_gguf_metadata(meta)
+    call = VOCAB_SIZE
+    for special in (True, False):
+        assert tok.encode("a<tool_call>b", special=special) == [*tok.encode("a"), call, *tok.encode("b")]
+    assert not tok.is_special(call) and tok.decode([call]) == "<tool_call>"
+    assert tok.special_tokens == tuple(SPECIAL_TOKENS)

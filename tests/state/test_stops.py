@@ -258,3 +258,20 @@ def test_any_split_matches_reference(data, text, stops):
     assert out == want
     assert m.matched == want_stop
     assert m.held == 0
+
+
+# --- one automaton per set of stop strings ---------------------------------
+
+
+def test_matchers_with_the_same_stops_share_one_automaton():
+    """n choices of one request (and requests with the same stops) build the
+    automaton once; each matcher still keeps its own position."""
+    stops = ["abcd", "bc", "xyz"]
+    a, b = StopMatcher(stops), StopMatcher(tuple(stops))
+    assert a._auto is b._auto
+    assert StopMatcher(["other"])._auto is not a._auto
+    assert a.push("xa") == ("x", False)
+    assert b.push("ab") == ("", False)
+    assert a.push("bcd") == ("", True) and a.matched == "abcd"
+    assert b.push("z") == ("abz", False)
+    assert b.flush() == ""

@@ -24,9 +24,9 @@ from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
-from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params, tools_offered
+from trioserve.http.schemas import check_json_body, parse_chat_request, parse_completion_request, sampling_params, tools_offered
 from trioserve.http.sessions import add_session_routes
-from trioserve.http.tools import compile_guides, message_dict, render_prompt
+from trioserve.http.tools import chat_prompt_ids, compile_guides, message_dict, off_loop
 from trioserve.http.write_timeout import WriteTimeout
 from trioserve.models.output_parser import THINK_OPEN, OutputParser
 from trioserve.models.chat_template import ChatTemplate
@@ -81,14 +81,23 @@ async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
 
 
 async def _body(limit: int) -> object:
+    """The request's JSON body, decoded and passed through check_json_body
+    (no lone surrogates, bounded nesting), or an HTTPError/RequestError for
+    the client. Bodies over 64 KiB are decoded in a thread (`off_loop`)."""
     try:
         raw = await request.get_data(cache=False)
     except RequestEntityTooLarge:
         raise HTTPError(413, f"the request body is larger than {limit} bytes", code="body_too_large") from None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
-        raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
+
+    def decode() -> object:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
+            raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
+        check_json_body(body)
+        return body
+
+    return decode() if len(raw) <= 64 << 10 else await off_loop(decode)
 
 
 def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint | None = None) -> QuartTrio:
@@ -187,11 +196,11 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     async def chat() -> Response:
         try:
             engine = state.ready()
-            req = parse_chat_request(await _body(settings.max_body_bytes))
+            req = await off_loop(parse_chat_request, await _body(settings.max_body_bytes))
             _check_model(state, req.model)
             _check_n(engine, req.n)
-            messages = [message_dict(m) for m in req.messages]
-            prompt_ids = engine.tokenizer.encode(render_prompt(state.template, messages, req.tools, req.tool_choice))
+            messages = map(message_dict, req.messages)  # made in the thread that renders them
+            prompt_ids = await chat_prompt_ids(engine.tokenizer, state.template, messages, req.tools, req.tool_choice)
             params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
             guides = await compile_guides(engine, req, req.n)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
@@ -205,10 +214,10 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     async def completions() -> Response:
         try:
             engine = state.ready()
-            req = parse_completion_request(await _body(settings.max_body_bytes))
+            req = await off_loop(parse_completion_request, await _body(settings.max_body_bytes))
             _check_model(state, req.model)
             _check_n(engine, req.n)
-            prompts = _completion_prompts(engine, req.prompt)
+            prompts = await off_loop(_completion_prompts, engine, req.prompt, settings.allow_special_in_prompt)
             if len(prompts) != 1:
                 raise HTTPError(400, "only one prompt per request is supported; send a string or one list of token ids", param="prompt")
             prompt_text, prompt_ids = prompts[0]
@@ -262,16 +271,19 @@ def _check_n(engine: Engine, n: int) -> None:
         raise RequestError(f"n ({n}) is more than this server queues at once ({limit}, --max-queue)", field="n")
 
 
-def _completion_prompts(engine: Engine, prompt) -> list[tuple[str, list[int]]]:
-    """(text, ids) of each prompt; token ids are checked before decoding."""
+def _completion_prompts(engine: Engine, prompt, special: bool) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt; token ids are checked before decoding.
+    Text is tokenized as text unless ``special`` (--allow-special-in-prompt):
+    then special-token text becomes its id. Token ids are taken as sent.
+    Blocking: the route runs it in a thread."""
     if isinstance(prompt, str):
-        return [(prompt, engine.tokenizer.encode(prompt))]
+        return [(prompt, engine.tokenizer.encode(prompt, special=special))]
     if prompt and all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     out = []
     for p in prompt:
         if isinstance(p, str):
-            out.append((p, engine.tokenizer.encode(p)))
+            out.append((p, engine.tokenizer.encode(p, special=special)))
             continue
         ids = list(p)
         vocab = engine.tokenizer.vocab_size

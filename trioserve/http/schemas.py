@@ -15,12 +15,24 @@ functions, function_call other than "none" (send tools), suffix, best_of
 other than 1 or n, completion logprobs above 5, stream_options without
 stream, more than one output constraint (response_format, guided_*).
 
+Fields whose cost grows with their size before generation starts are
+bounded (docs/api.md lists the limits): stop strings (matched by an
+automaton the scheduler builds on the event loop), logit_bias entries
+(applied at every step), the number of tools, and the text of output
+constraints (regex, grammar, choices, JSON schemas). Text that only becomes
+prompt tokens is bounded by the body size and the model's context.
+
+`check_json_body` is run on every decoded body before it is parsed (the
+app's `_body` does): a string holding a lone UTF-16 surrogate, or nesting
+deeper than MAX_JSON_DEPTH, is refused with its JSON path.
+
 `sampling_params` maps a request onto the engine's `SamplingParams`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable
 from typing import Any, Literal, NoReturn, get_args, get_origin
@@ -33,11 +45,22 @@ from cattrs.gen import make_dict_structure_fn, override
 from trioserve.errors import RequestError
 from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE
-from trioserve.models.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
+from trioserve.models.sampling import (
+    MAX_STOP_BYTES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    SEED_LIMIT,
+    SamplingParams,
+)
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries in logit_bias (the sampler walks them every step)
+MAX_TOOLS = 128  # as OpenAI allows
+MAX_CONSTRAINT_CHARS = 65536  # a regex, a grammar, all guided choices, or one JSON schema as compact JSON
+MAX_JSON_DEPTH = 100  # objects and lists nested in a body (schemas, templates and tojson recurse)
 
 # --- the errors that structuring raises inside, and the walk that reads them
 
@@ -254,12 +277,18 @@ def _parse_content(value: object, converter: cattrs.Converter) -> str | tuple[Co
     raise _Invalid(f"expected a string or a list of content parts, got {_got(value)}")
 
 
+def _stop_text(text: str, at: str = "") -> None:
+    if not text:
+        raise _Invalid("stop strings must not be empty", at=at)
+    if len(text) > MAX_STOP_CHARS:
+        raise _Invalid(f"a stop string may be at most {MAX_STOP_CHARS} characters, got {len(text)}", at=at)
+
+
 def _parse_stop(value: object, _: cattrs.Converter) -> str | tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        if not value:
-            raise _Invalid("stop strings must not be empty")
+        _stop_text(value)
         return value
     if not isinstance(value, list):
         raise _Invalid(f"expected a string or a list of strings, got {_got(value)}")
@@ -268,8 +297,10 @@ def _parse_stop(value: object, _: cattrs.Converter) -> str | tuple[str, ...] | N
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise _Invalid(f"expected a string, got {_got(text)}", at=f"[{i}]")
-        if not text:
-            raise _Invalid("stop strings must not be empty", at=f"[{i}]")
+        _stop_text(text, f"[{i}]")
+    total = sum(len(text.encode("utf-8", "surrogatepass")) for text in value)
+    if total > MAX_STOP_BYTES:
+        raise _Invalid(f"the stop strings may total at most {MAX_STOP_BYTES} bytes (UTF-8), got {total}")
     return tuple(value)
 
 
@@ -315,6 +346,8 @@ def _parse_logit_bias(value: object, _: cattrs.Converter) -> dict[int, float] | 
         return None
     if not isinstance(value, dict):
         raise _Invalid(f"expected an object mapping token ids to biases, got {_got(value)}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise _Invalid(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens may be biased, got {len(value)}")
     biases: dict[int, float] = {}
     for key, bias in value.items():
         if isinstance(key, str) and key.isascii() and key.isdigit():
@@ -355,6 +388,30 @@ def _object_schema(value: dict) -> None:
         raise _Invalid(f"must be a JSON schema of an object (type 'object'), got type {_got(value['type'])}")
 
 
+def _schema_size(value: dict | bool, at: str = "") -> None:
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    except RecursionError:
+        raise _Invalid("the schema is nested too deeply", at=at) from None
+    if size > MAX_CONSTRAINT_CHARS:
+        raise _Invalid(f"a schema may be at most {MAX_CONSTRAINT_CHARS} characters of JSON, got {size}", at=at)
+
+
+def _tool_parameters(value: dict) -> None:
+    _object_schema(value)
+    _schema_size(value)
+
+
+def _constraint_text(value: str) -> None:
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise _Invalid(f"may be at most {MAX_CONSTRAINT_CHARS} characters, got {len(value)}")
+
+
+def _tool_count(value: tuple) -> None:
+    if len(value) > MAX_TOOLS:
+        raise _Invalid(f"at most {MAX_TOOLS} tools are allowed, got {len(value)}")
+
+
 def _parse_tool_choice(value: object, _: cattrs.Converter) -> ToolChoice | None:
     if value is None:
         return None
@@ -388,6 +445,7 @@ def _parse_response_format(value: object, _: cattrs.Converter) -> ResponseFormat
     schema = spec.get("schema")
     if not isinstance(schema, dict | bool):
         raise _Invalid(f"expected a JSON schema (an object), got {_got(schema)}", at="json_schema.schema")
+    _schema_size(schema, "json_schema.schema")
     name = spec.get("name")
     if name is not None and not isinstance(name, str):
         raise _Invalid(f"expected a string, got {_got(name)}", at="json_schema.name")
@@ -404,6 +462,9 @@ def _parse_choices(value: object, _: cattrs.Converter) -> tuple[str, ...] | None
     for i, text in enumerate(value):
         if not isinstance(text, str) or not text:
             raise _Invalid(f"expected a non-empty string, got {_got(text)}", at=f"[{i}]")
+    total = sum(map(len, value))
+    if total > MAX_CONSTRAINT_CHARS:
+        raise _Invalid(f"the choices may total at most {MAX_CONSTRAINT_CHARS} characters, got {total}")
     return tuple(value)
 
 
@@ -437,7 +498,7 @@ class MessageToolCall:
 class FunctionDef:
     name: str = _field(check=_function_name)
     description: str | None = None
-    parameters: dict | None = _field(None, parse=_parse_json_object, check=_object_schema)  # a JSON schema
+    parameters: dict | None = _field(None, parse=_parse_json_object, check=_tool_parameters)  # a JSON schema
     strict: bool | None = None
 
 
@@ -505,14 +566,14 @@ class ChatCompletionRequest:
     top_logprobs: int | None = _field(None, check=_between(0, MAX_TOP_LOGPROBS))  # needs logprobs
     user: str | None = None
     ignore_eos: bool = False  # an extension (vLLM has it)
-    tools: tuple[Tool, ...] | None = None
+    tools: tuple[Tool, ...] | None = _field(None, check=_tool_count)
     tool_choice: ToolChoice | None = _field(None, parse=_parse_tool_choice)
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = _field(None, parse=_parse_response_format)
     # Guided decoding extensions (vLLM's names); at most one constraint per request.
-    guided_json: dict | None = _field(None, parse=_parse_json_object)
-    guided_regex: str | None = None
-    guided_grammar: str | None = None
+    guided_json: dict | None = _field(None, parse=_parse_json_object, check=_schema_size)
+    guided_regex: str | None = _field(None, check=_constraint_text)
+    guided_grammar: str | None = _field(None, check=_constraint_text)
     guided_choice: tuple[str, ...] | None = _field(None, parse=_parse_choices)
 
 
@@ -539,9 +600,9 @@ class CompletionRequest:
     echo: bool = False
     logprobs: int | None = _field(None, check=_completion_logprobs)  # top logprobs per token
     response_format: ResponseFormat | None = _field(None, parse=_parse_response_format)
-    guided_json: dict | None = _field(None, parse=_parse_json_object)
-    guided_regex: str | None = None
-    guided_grammar: str | None = None
+    guided_json: dict | None = _field(None, parse=_parse_json_object, check=_schema_size)
+    guided_regex: str | None = _field(None, check=_constraint_text)
+    guided_grammar: str | None = _field(None, check=_constraint_text)
     guided_choice: tuple[str, ...] | None = _field(None, parse=_parse_choices)
 
 
@@ -606,6 +667,51 @@ def _converter() -> cattrs.Converter:
 
 
 # --- parsing a body
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """The first UTF-16 surrogate in ``text``, or None. In a Python string
+    every surrogate is a lone one: JSON's escaped pairs decode to one
+    character, and UTF-8 has no valid encoding of any."""
+    if text.isascii():
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else found.group()
+
+
+def _path_key(key: str) -> str:
+    return key if len(key) <= 64 else key[:61] + "..."
+
+
+def check_json_body(body: object) -> None:
+    """Raise RequestError naming the first problem in the parsed JSON
+    ``body``, in document order: a string (a key or a value, at any depth)
+    holding a lone UTF-16 surrogate, or an object or list nested more than
+    MAX_JSON_DEPTH deep. JSON lets a lone surrogate through ("\\ud800"),
+    but it is not Unicode: nothing can encode it, tokenize it or send it
+    back. The walk keeps its own stack, so any depth json.loads accepted
+    is walked."""
+    stack: list[tuple[str, object, bool, int]] = [("", body, False, 0)]
+    while stack:
+        path, value, is_key, depth = stack.pop()
+        if isinstance(value, dict | list) and depth >= MAX_JSON_DEPTH:
+            raise RequestError(f"{path}: objects and lists may nest at most {MAX_JSON_DEPTH} deep", field=path)
+        if isinstance(value, str):
+            char = _lone_surrogate(value)
+            if char is not None:
+                what = "a key" if is_key else "the text"
+                raise RequestError(
+                    f"{path or 'the request body'}: {what} contains a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not valid Unicode",
+                    field=path or None,
+                )
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack.append((_join(path, _path_key(str(key))), item, False, depth + 1))
+                stack.append((path, key, True, depth))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", value[i], False, depth + 1) for i in range(len(value) - 1, -1, -1))
 
 
 def _object(body: object) -> dict:

@@ -14,28 +14,61 @@ template (SmolLM2's, ChatML) gets the documented fallback (docs/tools.md):
 - a tool message keeps the role "tool"; its content is wrapped in
   ``<tool_response>`` tags.
 
+Special tokens come only from the template and from what the server adds
+here: every string a request brings (message fields, call arguments once
+decoded, tool definitions) passes through a `SpecialTextShield` before it
+is rendered, and `render_prompt_ids` tokenizes the pieces it hid as text.
+
+Preparing a request (parsing it, rendering and tokenizing its prompt,
+compiling its output constraint) may take long for a large body, so the
+routes run it in a thread through `off_loop`, a few at a time, with a limit
+of their own so that they never hold the threads the engine's steps need.
+
 The output side (parsing calls out of the reply) is models/output_parser.py.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import trio
 
 from trioserve.errors import RequestError
 from trioserve.http.schemas import ChatMessage, Tool, ToolChoice, guide_spec, tools_offered
-from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.chat_template import ChatTemplate, SpecialTextShield
 from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE, CALL_OPEN
+from trioserve.models.tokenizer import Tokenizer
 
 FALLBACK_INTRO = "Functions you can call (one JSON line each: name, description, parameters schema):"
 FALLBACK_HOW = f'To call one, reply with {CALL_OPEN}{{"name": <name>, "arguments": <object>}}{CALL_CLOSE}'
 
 FORCED = "You must call a function now."
 FORCED_NAMED = "You must call the function {name} now."
+
+PREPARE_THREADS = 4  # requests prepared in threads at once (per trio run)
+_PREPARE_LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("trioserve_prepare_limiter")
+T = TypeVar("T")
+
+
+def _unchanged(value: Any) -> Any:
+    return value
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, at most PREPARE_THREADS at once;
+    its result or its exception. The engine's own threads are not counted
+    against this limit. Cancelled while waiting for a thread: nothing ran.
+    Cancelled while ``fn`` runs: it runs to the end (a thread cannot be
+    interrupted), then Cancelled is raised."""
+    try:
+        limiter = _PREPARE_LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(PREPARE_THREADS)
+        _PREPARE_LIMITER.set(limiter)
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
 def template_knows_tools(template: ChatTemplate) -> bool:
@@ -75,31 +108,37 @@ def _arguments_value(arguments: str) -> Any:
         return arguments
 
 
-def call_text(name: str, arguments: str) -> str:
+def call_text(name: str, arguments: str, hide: Callable[[Any], Any] = _unchanged) -> str:
     """A call as the fallback format writes it: compact, exactly as a forced
-    call is generated, so a session's kept KV still matches it."""
-    call = {"name": name, "arguments": _arguments_value(arguments)}
+    call is generated, so a session's kept KV still matches it. ``hide``
+    applies to the arguments once decoded (escapes can spell anything)."""
+    call = {"name": name, "arguments": hide(_arguments_value(arguments))}
     return CALL_OPEN + json.dumps(call, ensure_ascii=False, separators=(",", ":")) + CALL_CLOSE
 
 
-def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] | None, choice: ToolChoice | None) -> list[dict]:
+def _fallback(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[dict] | None,
+    choice: ToolChoice | None,
+    hide: Callable[[Any], Any],
+) -> list[dict]:
     out: list[dict] = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            written = "".join(call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+            written = "".join(call_text(c["function"]["name"], c["function"]["arguments"], hide) for c in calls)
             m["content"] = (m.get("content") or "") + written
         if m["role"] == "tool":
             m["content"] = f"<tool_response>{m.get('content') or ''}</tool_response>"
         m.pop("tool_call_id", None)
         out.append(m)
     if tools:
-        lines = [FALLBACK_INTRO, *(json.dumps(tool_json(t), ensure_ascii=False, separators=(",", ":")) for t in tools), FALLBACK_HOW]
+        lines = [FALLBACK_INTRO, *(json.dumps(t, ensure_ascii=False, separators=(",", ":")) for t in tools), FALLBACK_HOW]
         if choice is not None and choice.mode == "required":
             lines.append(FORCED)
         elif choice is not None and choice.mode == "function":
-            lines.append(FORCED_NAMED.format(name=choice.name))
+            lines.append(FORCED_NAMED.format(name=hide(choice.name)))
         paragraph = "\n".join(lines)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{paragraph}".lstrip()}
@@ -160,36 +199,70 @@ async def compile_guides(engine, request, n: int) -> list | None:
     thread; a bad schema, pattern or grammar is a RequestError naming it."""
     choice = getattr(request, "tool_choice", None)
     if choice is not None and choice.mode in ("required", "function"):
-        return await trio.to_thread.run_sync(_forced_guides, engine.guides, request.tools, choice, n)
+        return await off_loop(_forced_guides, engine.guides, request.tools, choice, n)
     spec = guide_spec(request)
     if spec is None:
         return None
-    return await trio.to_thread.run_sync(engine.guides.guides, spec, n)
+    return await off_loop(engine.guides.guides, spec, n)
 
 
-def _with_argument_values(message: Mapping[str, Any]) -> dict:
+def _with_argument_values(message: Mapping[str, Any], hide: Callable[[Any], Any]) -> dict:
     calls = message.get("tool_calls")
     if not calls:
         return dict(message)
     shown = []
     for c in calls:
         value = _arguments_value(c["function"]["arguments"])
-        arguments = value if isinstance(value, dict) else c["function"]["arguments"]
+        arguments = hide(value) if isinstance(value, dict) else c["function"]["arguments"]
         shown.append({**c, "function": {**c["function"], "arguments": arguments}})
     return {**message, "tool_calls": shown}
 
 
 def render_prompt(
     template: ChatTemplate,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Iterable[Mapping[str, Any]],
     tools: Sequence[Tool] | None = None,
     choice: ToolChoice | None = None,
+    *,
+    hide: Callable[[Any], Any] = _unchanged,
 ) -> str:
-    """The prompt text for a chat: ``messages`` as `message_dict` makes them."""
-    offered = tools if tools_offered(tools, choice) else None
+    """The prompt text for a chat: ``messages`` as `message_dict` makes them.
+    ``hide`` (a `SpecialTextShield`'s) is applied to every value the request
+    brought, and to nothing the server adds."""
+    messages = [hide(dict(m)) for m in messages]
+    offered = [hide(tool_json(t)) for t in tools] if tools_offered(tools, choice) else None
     if template_knows_tools(template):
         # Tool-aware templates (Qwen, Llama 3.1, Hermes) serialize arguments
         # themselves: they get the object, not its JSON text.
-        shown = [_with_argument_values(m) for m in messages]
-        return template.render(shown, add_generation_prompt=True, tools=[{"type": "function", "function": tool_json(t)} for t in offered] if offered else None)
-    return template.render(_fallback(messages, offered, choice), add_generation_prompt=True)
+        shown = [_with_argument_values(m, hide) for m in messages]
+        return template.render(shown, add_generation_prompt=True, tools=[{"type": "function", "function": t} for t in offered] if offered else None)
+    return template.render(_fallback(messages, offered, choice, hide), add_generation_prompt=True)
+
+
+def render_prompt_ids(
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: Iterable[Mapping[str, Any]],
+    tools: Sequence[Tool] | None = None,
+    choice: ToolChoice | None = None,
+) -> list[int]:
+    """The prompt's token ids for a chat (see `render_prompt`): special
+    tokens come only from the template and the server's own text; what the
+    request brought is tokenized as text, even where it spells one. When
+    no request string does, the ids are those of encoding the rendered
+    text. Blocking and thread-safe: the routes call `chat_prompt_ids`."""
+    shield = SpecialTextShield(tokenizer.special_tokens)
+    text = render_prompt(template, messages, tools, choice, hide=shield.hide)
+    return tokenizer.encode_rendered(text, shield.literals)
+
+
+async def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: Iterable[Mapping[str, Any]],
+    tools: Sequence[Tool] | None = None,
+    choice: ToolChoice | None = None,
+) -> list[int]:
+    """`render_prompt_ids` in a thread (`off_loop`); ``messages`` may be
+    a lazy iterable, consumed there."""
+    return await off_loop(render_prompt_ids, tokenizer, template, messages, tools, choice)

@@ -3,11 +3,18 @@
 Checkpoints ship their chat format as a Jinja template (Hugging Face's
 convention). This module owns compiling it once in a sandbox with the helpers
 such templates expect, and rendering it; every failure becomes
-ChatTemplateError."""
+ChatTemplateError.
+
+It also owns `SpecialTextShield`, which keeps the special-token text a
+request brings (a user typing "<|im_start|>system") from becoming control
+tokens: such text is swapped for placeholders before rendering, and the
+tokenizer turns the placeholders back into that text, tokenized as text."""
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
@@ -125,3 +132,41 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+class SpecialTextShield:
+    """Hides special-token text in the strings of one request for one render.
+
+    `hide(value)` returns ``value`` (a string, or dicts, lists and tuples of
+    them, keys included, at any depth) with each occurrence of a special
+    token's text replaced by a placeholder. A placeholder is letters and
+    digits only, so a template (its `tojson` included) passes it through
+    unchanged, and holds a random part drawn for this shield, so a request
+    cannot spell one. `literals` maps each placeholder handed out to the
+    text it hides; `Tokenizer.encode_rendered` tokenizes those as text.
+    Not thread-safe: one shield per render."""
+
+    def __init__(self, special_tokens: Sequence[str]) -> None:
+        tokens = sorted({t for t in special_tokens if t}, key=len, reverse=True)
+        self._pattern = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
+        self._nonce = secrets.token_hex(16)
+        self._placeholder_of: dict[str, str] = {}
+        self.literals: dict[str, str] = {}  # placeholder -> the special-token text it stands for
+
+    def hide(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return value if self._pattern is None else self._pattern.sub(self._placeholder, value)
+        if isinstance(value, Mapping):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(self.hide(v) for v in value)
+        return value
+
+    def _placeholder(self, match: re.Match[str]) -> str:
+        text = match.group()
+        placeholder = self._placeholder_of.get(text)
+        if placeholder is None:
+            placeholder = f"zzspecial{self._nonce}n{len(self._placeholder_of)}z"
+            self._placeholder_of[text] = placeholder
+            self.literals[placeholder] = text
+        return placeholder

@@ -48,6 +48,10 @@ from trioserve.models.guided import apply_masks
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Stop strings are matched by an automaton built on the event loop, one node
+# per character: the HTTP schemas bound each string and all of them together.
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_BYTES = 2048  # UTF-8 bytes in all of a request's stop strings
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 
 

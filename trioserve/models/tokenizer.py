@@ -4,11 +4,23 @@ tokenizer directory.
 The splitting and merging is done by the `tokenizers` library; this module owns
 turning checkpoint metadata into one configured `tokenizers.Tokenizer`, the
 special-token bookkeeping (BOS, EOS, stop ids, which ids are control tokens)
-and the exact bytes behind every id, which the detokenizer streams from."""
+and the exact bytes behind every id, which the detokenizer streams from.
+
+Special (control) tokens come only from text the server itself writes: a
+chat template's output is encoded with `encode_rendered`, where the pieces a
+request brought that spell a control token stand behind placeholders and are
+tokenized as the text they are. `encode(text, special=False)` encodes any
+text that way; the default still turns special-token text into its id.
+
+Long texts are encoded through the `tokenizers` batch call, which releases
+the GIL while it works, so a thread encoding a huge prompt does not stall
+the event loop."""
 
 from __future__ import annotations
 
 import json
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +38,15 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# Texts at least this long are encoded with the GIL released (same ids).
+_LONG_TEXT = 2048
+
+
+def _encode_with(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    if len(text) < _LONG_TEXT:
+        return backend.encode(text, add_special_tokens=False).ids
+    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -98,6 +119,13 @@ class Tokenizer:
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self._special = frozenset(i for i, t in added.items() if t.special)
+        specials = sorted((i, t) for i, t in added.items() if t.special and t.content)
+        self.special_tokens: tuple[str, ...] = tuple(t.content for _, t in specials)  # in id order
+        longest_first = sorted(specials, key=lambda item: -len(item[1].content))
+        self._special_split = _special_pattern([t for _, t in longest_first])
+        self._special_ids = [i for i, _ in longest_first]  # by the pattern's group number - 1
+        self._plain_backend: tokenizers.Tokenizer | None = None
+        self._plain_lock = threading.Lock()
         self._bytes = [self._compute_bytes(i, added) for i in range(self.vocab_size)]
         self.bos_token: str | None = None if bos_id is None else self._text_of(bos_id)
         self.eos_token: str = self._text_of(eos_id)
@@ -157,13 +185,11 @@ class Tokenizer:
         backend = tokenizers.Tokenizer(bpe)
         backend.pre_tokenizer = _byte_level_pre(pre)
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens(
-            [
-                AddedToken(tok, special=True, normalized=False)
-                for tok, tok_type in zip(tokens, types, strict=True)
-                if tok_type in (_CONTROL, _USER_DEFINED) and tok
-            ]
-        )
+        # Control tokens are special; user-defined ones (e.g. Qwen's
+        # <tool_call>) are ordinary text that is always one id, as in llama.cpp.
+        pieces = [(tok, tok_type) for tok, tok_type in zip(tokens, types, strict=True) if tok]
+        backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok, kind in pieces if kind == _CONTROL])
+        backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, kind in pieces if kind == _USER_DEFINED])
         extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
         return cls(
             backend,
@@ -236,10 +262,70 @@ class Tokenizer:
         """The `tokenizers` serialization (for llguidance's tokenizer)."""
         return self._backend.to_str()
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids for `text`; special-token text in it becomes its single id.
-        BOS is prepended when `add_bos` (default: the checkpoint's setting)."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids for `text`. With `special` (the default) special-token
+        text in it becomes its single id; without, it is tokenized as the
+        text it is. BOS is prepended when `add_bos` (default: the
+        checkpoint's setting). Thread-safe."""
+        ids = _encode_with(self._backend if special else self._plain(), text)
+        return self._with_bos(ids, add_bos)
+
+    def encode_rendered(self, text: str, literals: Mapping[str, str], *, add_bos: bool | None = None) -> list[int]:
+        """Token ids for `text` a chat template rendered, in which each key
+        of `literals` (a placeholder) stands for its value, text a request
+        brought. Special-token text in `text` itself is the template's and
+        becomes its id; the literals are tokenized as text, together with
+        the text around them (a run between two of the template's special
+        tokens is encoded as one). Without any placeholder in `text` this
+        is exactly `encode(text)`. Thread-safe."""
+        found = [key for key in literals if key in text]
+        if not found:
+            return self.encode(text, add_bos=add_bos)
+        holes = re.compile("|".join(re.escape(key) for key in sorted(found, key=len, reverse=True)))
+        ids: list[int] = []
+        run: list[str] = []  # the text since the last special token
+        start = 0
+        for hole in holes.finditer(text):
+            self._template_text(text[start : hole.start()], run, ids)
+            run.append(literals[hole.group()])
+            start = hole.end()
+        self._template_text(text[start:], run, ids)
+        self._flush(run, ids)
+        return self._with_bos(ids, add_bos)
+
+    def _template_text(self, text: str, run: list[str], ids: list[int]) -> None:
+        """Split the template's own `text` at its special tokens, as the
+        `tokenizers` library does (longest match; whitespace taken by
+        tokens that strip it): each ends the run so far and adds its id."""
+        start = 0
+        if self._special_split is not None:
+            for match in self._special_split.finditer(text):
+                run.append(text[start : match.start()])
+                self._flush(run, ids)
+                ids.append(self._special_ids[match.lastindex - 1])
+                start = match.end()
+        run.append(text[start:])
+
+    def _flush(self, run: list[str], ids: list[int]) -> None:
+        text = "".join(run)
+        run.clear()
+        if text:
+            ids.extend(_encode_with(self._plain(), text))
+
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special-token text as text
+        (made on first use; never changed after, so shared by threads)."""
+        backend = self._plain_backend
+        if backend is None:
+            with self._plain_lock:
+                if self._plain_backend is None:
+                    copy = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                    copy.encode_special_tokens = True
+                    self._plain_backend = copy
+                backend = self._plain_backend
+        return backend
+
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
@@ -261,6 +347,20 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special (control) token, skipped by `decode`."""
         return token_id in self._special
+
+
+def _special_pattern(tokens: Sequence[AddedToken]) -> re.Pattern[str] | None:
+    """One alternation over ``tokens`` (longest first), group i+1 for the
+    i-th; a token that strips whitespace on a side takes it there, as the
+    `tokenizers` library does."""
+    if not tokens:
+        return None
+    alternatives = []
+    for token in tokens:
+        left = r"\s*" if token.lstrip else ""
+        right = r"\s*" if token.rstrip else ""
+        alternatives.append(f"({left}{re.escape(token.content)}{right})")
+    return re.compile("|".join(alternatives))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

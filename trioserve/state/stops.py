@@ -7,7 +7,10 @@ same result however the text was cut into pieces.
 
 Matching runs an Aho–Corasick automaton over the stop strings, one character
 at a time, so a push costs O(len(piece) + longest stop) and the matcher keeps
-only the held-back tail, never the whole output.
+only the held-back tail, never the whole output. Building the automaton costs
+one node per character of the stop strings (the HTTP schemas bound them); it
+is never changed once built, so matchers with the same stops — the choices
+of one request, or requests that share their stops — share one.
 
 One case needs care: a short stop can complete inside a longer one that began
 earlier (stops "abcd" and "bc", text "abc"). The earliest start wins, so the
@@ -18,8 +21,13 @@ and sets `matched`."""
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
+
+# Stop sets up to this many characters in all are kept for reuse (a few
+# dozen of them, the most recently used); larger ones are built per matcher.
+_SHARED_CHARS = 4096
 
 
 class _Automaton:
@@ -70,6 +78,18 @@ class _Automaton:
         return self.children[node].get(ch, 0)
 
 
+@functools.lru_cache(maxsize=32)
+def _shared(stops: tuple[str, ...]) -> _Automaton:
+    return _Automaton(stops)
+
+
+def _automaton(stops: Sequence[str]) -> _Automaton:
+    stops = tuple(stops)
+    if sum(map(len, stops)) <= _SHARED_CHARS:
+        return _shared(stops)
+    return _Automaton(stops)
+
+
 class StopMatcher:
     """Watches one output stream for any of ``stops``. Call `push` with each
     piece of text; call `flush` when the output ends without a stop."""
@@ -80,7 +100,7 @@ class StopMatcher:
         for stop in stops:
             if not isinstance(stop, str) or not stop:
                 raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-        self._auto = _Automaton(stops)
+        self._auto = _automaton(stops)
         self._node = 0
         self._pos = 0  # characters pushed so far
         self._held = ""  # unpublished text: the last len(_held) characters
