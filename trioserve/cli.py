@@ -8,7 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, parse_byte_size
+from trioserve.config import DTYPE_NAMES, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 
 
@@ -79,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--max-body-bytes", type=_byte_size, default="4MiB", help="largest request body (default 4MiB)")
     srv.add_argument("--drain-timeout", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM (default 30)")
-    srv.add_argument("--write-timeout", type=_positive_float, default=30.0, help="seconds a response write may stall before the request is cancelled (default 30)")
+    srv.add_argument("--write-timeout", type=_positive_float, default=30.0, help="seconds a response write may stall before the connection is closed and the request cancelled (default 30)")
+    srv.add_argument("--keep-alive-timeout", type=_positive_float, default=5.0, help="seconds a connection may stay idle, or spend sending a request's head, before it is closed (default 5)")
+    srv.add_argument("--read-timeout", type=_positive_float, default=30.0, help="seconds a client may stay silent while its request body is still arriving (default 30)")
+    srv.add_argument("--send-buffer-bytes", type=_size_or_auto, default="64KiB", help="kernel send buffer per connection, e.g. 64KiB, or auto (the kernel's): how much a client that stopped reading can hold back before the write timeout counts (default 64KiB)")
     srv.add_argument("--allow-special-in-prompt", action="store_true", help="let /v1/completions text prompts spell special tokens such as <|im_start|> (default: they are text)")
     srv.add_argument("--default-max-tokens", type=_positive_int, default=2048, help="max_tokens for requests that send none (default 2048)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -92,6 +95,13 @@ def _byte_size(text: str) -> int:
         return parse_byte_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_or_auto(text: str) -> int | None:
+    try:
+        return parse_size_or_auto(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or auto)") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,6 +190,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         write_timeout_s=args.write_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        read_timeout_s=args.read_timeout,
+        send_buffer_bytes=args.send_buffer_bytes,
         default_max_tokens=args.default_max_tokens,
         max_sessions=args.max_sessions,
         session_idle_s=args.session_idle,

@@ -72,7 +72,16 @@ class ServerSettings:
     `Authorization: Bearer <key>`. max_body_bytes: larger bodies get 413.
     drain_timeout_s: on SIGINT/SIGTERM, how long in-flight requests may run.
     write_timeout_s: a response write that does not complete in this time
-    (a client that stopped reading) cancels the request.
+    (a client that stopped reading) closes the connection, which cancels
+    the request.
+    keep_alive_timeout_s: a connection with no request under way (idle, or
+    its next request's head not yet complete) is closed after this long.
+    read_timeout_s: while a request body is still arriving, the connection
+    is closed when the client sends nothing for this long.
+    send_buffer_bytes: the kernel send buffer of each connection
+    (SO_SNDBUF); it bounds how much a client that stopped reading can have
+    buffered before writes stall and the write timeout starts counting.
+    None leaves the kernel's autotuning (up to megabytes per connection).
     default_max_tokens: the cap on max_tokens for requests that send none
     (they also never reserve more than the rest of the context or the pool).
     allow_special_in_prompt: /v1/completions prompts given as text may spell
@@ -89,6 +98,9 @@ class ServerSettings:
     max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
     drain_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
     write_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    keep_alive_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    read_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    send_buffer_bytes: int | None = attrs.field(default=64 * 1024, validator=_positive)
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     max_sessions: int = attrs.field(default=1024, validator=_positive)
     session_idle_s: float | None = attrs.field(default=3600.0, validator=_positive)
@@ -112,6 +124,11 @@ def parse_byte_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"must be positive, got {text!r}")
     return value
+
+
+def parse_size_or_auto(text: str) -> int | None:
+    """'auto' -> None (the kernel's choice); otherwise parse_byte_size."""
+    return None if text.strip().lower() == "auto" else parse_byte_size(text)
 
 
 def _flag(text: str) -> bool:
@@ -142,6 +159,9 @@ _ENV = {
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),
     "TRIOSERVE_DRAIN_TIMEOUT": ("drain_timeout_s", float),
     "TRIOSERVE_WRITE_TIMEOUT": ("write_timeout_s", float),
+    "TRIOSERVE_KEEP_ALIVE_TIMEOUT": ("keep_alive_timeout_s", float),
+    "TRIOSERVE_READ_TIMEOUT": ("read_timeout_s", float),
+    "TRIOSERVE_SEND_BUFFER_BYTES": ("send_buffer_bytes", parse_size_or_auto),
     "TRIOSERVE_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
     "TRIOSERVE_MAX_SESSIONS": ("max_sessions", int),
     "TRIOSERVE_REASONING_PARSER": ("reasoning_parser", str),

@@ -9,7 +9,6 @@ event stream, which cancels the request within one engine step."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 
@@ -27,7 +26,8 @@ from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import check_json_body, parse_chat_request, parse_completion_request, sampling_params, tools_offered
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.tools import chat_prompt_ids, compile_guides, message_dict, off_loop
-from trioserve.http.write_timeout import WriteTimeout
+from trioserve.http.guard import bearer_matches, form_content_type
+from trioserve.http.in_flight import InFlight
 from trioserve.models.output_parser import THINK_OPEN, OutputParser
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
@@ -45,7 +45,7 @@ class ServerState:
         self.phase = "loading"  # loading -> ok -> draining; or dead
         self.created = openai.now()
         self.engine_scope = trio.CancelScope()
-        self.requests = None  # the WriteTimeout middleware, which counts HTTP requests in flight
+        self.requests = None  # the InFlight middleware, which counts HTTP requests in flight
         self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
         self.sessions = None  # the SessionStore, made with the session routes
         self.reasoning = False  # split <think> reasoning out of replies
@@ -106,13 +106,15 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     A ``checkpoint`` already loaded is served instead of loading one."""
     settings = settings or settings_from_env(dict(os.environ))
     app = QuartTrio("trioserve")
-    guard = WriteTimeout(app.asgi_app, settings.write_timeout_s)
-    app.asgi_app = guard
+    # The write, read and keep-alive deadlines live in the transport
+    # (trioserve/http/transport.py); this counts requests for the drain.
+    in_flight = InFlight(app.asgi_app)
+    app.asgi_app = in_flight
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 1
     state = ServerState(settings)
     state.checkpoint = checkpoint
-    state.requests = guard
+    state.requests = in_flight
     app.extensions["trioserve"] = state
 
     @app.before_serving
@@ -128,9 +130,13 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         if request.method == "OPTIONS":
             return None
         if settings.api_key and request.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            if not bearer_matches(request.headers.get("Authorization", ""), settings.api_key):
                 return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", kind="authentication_error", code="invalid_api_key"))
+        if request.method == "POST":
+            # A form-like type lets any web page post here cross-origin with no CORS preflight.
+            refused = form_content_type(request.headers.get("Content-Type", ""))
+            if refused is not None:
+                return error_response(HTTPError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {refused})", code="unsupported_media_type"))
         return None
 
     @app.after_request
@@ -139,9 +145,9 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
         response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         if state.phase == "draining":
-            # A refused request's body is left unread, so the connection
-            # cannot carry another request; say so, or a client reusing it
-            # from its pool meets a bare disconnect instead of this 503.
+            # Send clients elsewhere rather than back on this connection: a
+            # client reusing it from its pool would meet a bare disconnect
+            # when the server goes instead of this 503.
             response.headers["Connection"] = "close"
         return response
 
