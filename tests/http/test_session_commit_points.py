@@ -32,12 +32,7 @@ async def call(app, method: str, path: str, body: dict | None = None, *, stop_at
     says yes, that chunk is the last the client gets: the send stalls and
     the client is gone."""
     data = json.dumps(body).encode() if body is not None else b""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"test"), (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "extensions": {},
-    }  # fmt: skip
+    scope = http_scope(method, path, data)
     gone = trio.Event()
     sent_body = False
     status = 0
@@ -67,6 +62,16 @@ async def call(app, method: str, path: str, body: dict | None = None, *, stop_at
     with trio.fail_after(30):
         await app(scope, receive, send)
     return status, chunks
+
+
+def http_scope(method: str, path: str, data: bytes) -> dict:
+    """The ASGI scope of a request with a JSON body of ``data``."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "extensions": {},
+    }  # fmt: skip
 
 
 def events(chunks: list[bytes]) -> list[dict | str]:

@@ -17,7 +17,7 @@ import trio
 
 from tests.http.conftest import assert_error, eventually, make_settings, metrics, start_server
 from tests.http.test_server import raw_post
-from tests.http.test_session_commit_points import call, events
+from tests.http.test_session_commit_points import call, events, http_scope
 from trioserve.http.app import create_app
 from trioserve.models.checkpoint import load_checkpoint
 
@@ -164,12 +164,7 @@ async def _asgi(app, path: str, body: dict, send) -> None:
     """POST ``body`` to ``path`` through the app's ASGI interface with the
     caller's ``send``; the client never disconnects."""
     data = json.dumps(body).encode()
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"test"), (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "extensions": {},
-    }  # fmt: skip
+    scope = http_scope("POST", path, data)
     delivered = False
     forever = trio.Event()
 
