@@ -8,6 +8,7 @@ reply is fatal and the scheduler declares the engine dead."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import torch
@@ -17,8 +18,53 @@ from trioserve.actors.messages import StepReply, StepRequest, deliver
 from trioserve.models.step import build_step
 
 
+# How often the worker hands freed heap memory back to the OS (seconds; 0: never).
+# One trim takes ~10 ms here, so every 10 s costs ~0.1% of the time.
+TRIM_INTERVAL_S = 10.0
+
+
 class StepRefused(Exception):
     """Raised before any device state changes: the step was not run."""
+
+
+class HeapTrimmer:
+    """Returns the C heap's free pages to the OS at most every ``interval``
+    seconds, between steps (glibc's malloc_trim; a no-op elsewhere).
+
+    Why: steps run in whichever of trio's cached threads is idle, and glibc
+    gives each thread its own heap (arena). Each one keeps the free space its
+    largest steps left behind, so resident memory creeps up long after the
+    step shapes (bucketed, see models/step.py) stopped changing. Trimming
+    bounds it; the cost is re-faulting the pages the next step touches,
+    measured as noise next to a step (bench/README.md, Soak)."""
+
+    def __init__(self, interval: float = TRIM_INTERVAL_S, clock=time.monotonic):
+        self.interval = interval
+        self._clock = clock
+        self._next = clock() + interval
+        self.trims = 0
+        self._trim = _malloc_trim()
+
+    def due(self) -> bool:
+        return self._trim is not None and self.interval > 0 and self._clock() >= self._next
+
+    def trim(self) -> None:
+        """Blocking (milliseconds): call it from a thread, between steps."""
+        if self._trim is not None:
+            self._trim(0)
+            self.trims += 1
+        self._next = self._clock() + self.interval
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 def run_step(model, cache, block_size: int, request: StepRequest) -> StepReply:
@@ -46,8 +92,11 @@ async def run_worker(model, cache, inbox: trio.MemoryReceiveChannel, *, task_sta
     the channel carried in the request. Cancellation waits for a running step
     to return (threads cannot be interrupted), then ends the actor."""
     block_size = cache.block_size
+    trimmer = HeapTrimmer()
     task_status.started()
     async with inbox:
         async for request in inbox:
             reply = await trio.to_thread.run_sync(run_step, model, cache, block_size, request)
             deliver(request.reply, reply)  # False: the scheduler stopped waiting
+            if trimmer.due():  # while the scheduler samples this step's logits
+                await trio.to_thread.run_sync(trimmer.trim)

@@ -1,6 +1,7 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged
 KV cache. One `forward` call runs every sequence of a step together: prefill
-chunks and decode tokens packed in one tensor, no Python loop over sequences.
+chunks and decode tokens packed in one tensor, no Python loop over sequences
+(attention runs decode rows and prompt chunks as two groups, see models/step.py).
 
 Weights are fused at load time (Q, K and V in one matrix; gate and up in
 another) so a layer is four matmuls."""
@@ -120,6 +121,7 @@ class LlamaModel:
         self.rope_cos = angles.cos().float().to(self.device)
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, *, use_int4: bool = True, device: str | torch.device = "cpu") -> LlamaModel:
@@ -145,8 +147,10 @@ class LlamaModel:
             raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
         n_q = c.num_heads * c.head_dim
         n_kv = c.num_kv_heads * c.head_dim
+        real = batch.num_tokens  # then pad tokens, which are computed but never stored or read back
         cos = self.rope_cos.index_select(0, batch.positions)
         sin = self.rope_sin.index_select(0, batch.positions)
+        gather = self._gather_buffers(batch, cache)
         # The residual stream stays fp32 whatever the weights' dtype: SmolLM2
         # and others grow "attention sink" activations (~25000) whose bf16
         # rounding (±128) swamps the per-layer updates and derails greedy
@@ -161,11 +165,43 @@ class LlamaModel:
             v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
             q = ops.apply_rope(q, cos, sin)
             k = ops.apply_rope(k, cos, sin)
-            ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k, v.contiguous())
-            attn = ops.paged_attention(q, cache.k[i], cache.v[i], batch.block_tables, batch.pad_index, batch.mask, self.scale)
+            ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k[:real], v[:real].contiguous())
+            attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
             h = h + layer.o(attn.reshape(-1, n_q), d)
             x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps).to(self.dtype)
             gate, up = layer.gate_up(x, d).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up, d)
         last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
         return F.linear(last, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, gather) -> torch.Tensor:
+        """[T_padded, H, D]: each group's rows attended on their own (one
+        group at a time, so they share the gather buffers); pad tokens'
+        rows are zeros."""
+        if len(batch.groups) == 1 and batch.groups[0].count == q.shape[0]:
+            g = batch.groups[0]
+            return ops.paged_attention(q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, gather_into=gather)
+        out = q.new_empty(q.shape)
+        end = 0
+        for g in batch.groups:
+            end = g.first + g.count
+            out[g.first : end] = ops.paged_attention(
+                q[g.first : end], k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, gather_into=gather
+            )
+        out[end:].zero_()
+        return out
+
+    def _gather_buffers(self, batch: StepBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat scratch buffers that any group's gathered keys and values
+        fit in. They grow (at least doubling) when a step needs more and are
+        kept, so steps stop allocating them at all."""
+        c = self.config
+        per_block = c.num_kv_heads * cache.block_size * c.head_dim
+        need = max(g.block_tables.numel() for g in batch.groups) * per_block
+        old = self._scratch
+        if old is None or old.dtype != cache.k.dtype or old.device != cache.k.device:
+            old = None
+        if old is None or old.shape[1] < need:
+            size = max(need, 2 * old.shape[1]) if old is not None else need
+            self._scratch = torch.empty(2, size, dtype=cache.k.dtype, device=cache.k.device)
+        return self._scratch[0], self._scratch[1]

@@ -1,6 +1,15 @@
 """One forward step's inputs: several sequences' new tokens packed together,
 with the positions, cache slots and attention layout the model needs.
-Built once per step from plain lists; every layer reuses it."""
+Built once per step from plain lists; every layer reuses it.
+
+Shapes are bucketed. A server's steps come in endlessly varying sizes (how
+many prompt tokens, how many sequences, how long their contexts), and every
+new size makes the allocator carve out new blocks and oneDNN build and
+cache new matmul kernels: resident memory then grows without end. So the
+prompt tokens of a step are padded to `bucket(n)` tokens, and each attention
+group's query rows and key blocks are padded likewise, leaving a few dozen
+sizes in all. Padding never changes a result: pad tokens are never written to
+the cache nor read back, and padded keys are masked out."""
 
 from __future__ import annotations
 
@@ -8,6 +17,17 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+
+from trioserve.kernels.reference import SDPA_MIN_QUERIES
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to one of four sizes per power of two: exact up to 8,
+    then multiples of 2**(k - 2) for n in (2**k, 2**(k + 1)] -- under 25% over."""
+    if n <= 8:
+        return n
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 @attrs.frozen
@@ -30,34 +50,68 @@ class SeqChunk:
 
 
 @attrs.frozen
+class AttentionGroup:
+    """Sequences whose queries attend together: the real tokens
+    [first, first + count) of the packed order, scattered into a padded
+    [S, max_q] layout. Decode rows (one query each) form one group and
+    prompt chunks another, so a one-token row is never padded to a prompt
+    chunk's length.
+
+    flash: use the fused attention kernel; decided from the real longest
+    chunk (not its bucket), so padding never switches kernels."""
+
+    first: int
+    count: int
+    block_tables: torch.Tensor  # [S, MB] long, padded with a valid id
+    pad_index: torch.Tensor  # [count] long, place of each token in [S * max_q]
+    mask: torch.Tensor  # [S, max_q, MB * block_size] bool, True = may attend
+    flash: bool
+
+
+@attrs.frozen
 class StepBatch:
-    token_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
+    """token_ids and positions hold ``num_tokens`` real tokens then pad
+    tokens (id 0 at position 0) up to a bucketed length; slot_mapping covers
+    the real tokens only."""
+
+    token_ids: torch.Tensor  # [T_padded] long
+    positions: torch.Tensor  # [T_padded] long
     slot_mapping: torch.Tensor  # [T] long
-    block_tables: torch.Tensor  # [S, MB] long
-    pad_index: torch.Tensor  # [T] long, place of each token in the padded [S * max_q] layout
-    mask: torch.Tensor  # [S, max_q, MB * block_size] bool
     last_index: torch.Tensor  # [S] long, each sequence's last token in the packed order
+    groups: tuple[AttentionGroup, ...]
     num_decode: int = 0  # the first num_decode tokens are decode tokens
+    block_size: int = 1
+    chunks: tuple[SeqChunk, ...] = ()
 
     @property
     def num_seqs(self) -> int:
-        return int(self.block_tables.shape[0])
+        return len(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    # The whole step as ONE exact (unbucketed) padded layout: what
+    # `paged_attention` takes for a single group. The model uses `groups`.
+    @property
+    def block_tables(self) -> torch.Tensor:  # [S, MB] long
+        return _block_tables(self.chunks, max(len(c.block_table) for c in self.chunks), self.positions.device)
+
+    @property
+    def pad_index(self) -> torch.Tensor:  # [T] long
+        return _pad_index(self.chunks, max(len(c.token_ids) for c in self.chunks), self.positions.device)
+
+    @property
+    def mask(self) -> torch.Tensor:  # [S, max_q, MB * block_size] bool
+        max_q = max(len(c.token_ids) for c in self.chunks)
+        max_blocks = max(len(c.block_table) for c in self.chunks)
+        return _mask(self.chunks, max_q, max_blocks * self.block_size, self.positions.device)
 
 
-def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu") -> StepBatch:
-    """Pack ``chunks`` into one StepBatch. Raises ValueError when a chunk is
-    empty or its block table does not cover its new tokens."""
+def _check(chunks: Sequence[SeqChunk], block_size: int) -> int:
+    """Refuse what no step can run; return the number of leading decode chunks."""
     if not chunks:
         raise ValueError("a step needs at least one sequence")
-    max_q = max(len(c.token_ids) for c in chunks)
-    max_blocks = max(len(c.block_table) for c in chunks)
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    pad: list[int] = []
-    last: list[int] = []
-    tables = []
     num_decode = 0
     for s, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -74,28 +128,82 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         end = chunk.start + n
         if len(chunk.block_table) * block_size < end:
             raise ValueError(f"sequence {s}: {len(chunk.block_table)} blocks cannot hold {end} tokens")
+    return num_decode
+
+
+def _block_tables(chunks: Sequence[SeqChunk], max_blocks: int, device) -> torch.Tensor:
+    rows = [list(c.block_table) + [c.block_table[0]] * (max_blocks - len(c.block_table)) for c in chunks]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _pad_index(chunks: Sequence[SeqChunk], max_q: int, device) -> torch.Tensor:
+    pad: list[int] = []
+    for s, chunk in enumerate(chunks):
+        pad.extend(range(s * max_q, s * max_q + len(chunk.token_ids)))
+    return torch.tensor(pad, dtype=torch.long, device=device)
+
+
+def _mask(chunks: Sequence[SeqChunk], max_q: int, keys: int, device) -> torch.Tensor:
+    # Padded query rows get position start + offset; rows past a sequence's
+    # length are never read back, so what they attend to does not matter
+    # (but it is never nothing, which would make softmax NaN).
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+    q_pos = starts[:, None] + torch.arange(max_q)[None, :]
+    mask = torch.arange(keys)[None, None, :] <= q_pos[:, :, None]
+    return mask.to(device)
+
+
+def _group(chunks: Sequence[SeqChunk], first: int, block_size: int, buckets: bool, device) -> AttentionGroup:
+    longest = max(len(c.token_ids) for c in chunks)
+    most_blocks = max(len(c.block_table) for c in chunks)
+    max_q = bucket(longest) if buckets else longest
+    max_blocks = bucket(most_blocks) if buckets else most_blocks
+    return AttentionGroup(
+        first=first,
+        count=sum(len(c.token_ids) for c in chunks),
+        block_tables=_block_tables(chunks, max_blocks, device),
+        pad_index=_pad_index(chunks, max_q, device),
+        mask=_mask(chunks, max_q, max_blocks * block_size, device),
+        flash=longest >= SDPA_MIN_QUERIES,
+    )
+
+
+def build_step(
+    chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu", *, buckets: bool = True
+) -> StepBatch:
+    """Pack ``chunks`` into one StepBatch; ``buckets=False`` pads nothing
+    (the same results, for tests). Raises ValueError when a chunk is empty
+    or its block table does not cover its new tokens."""
+    num_decode = _check(chunks, block_size)
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    for chunk in chunks:
         ids.extend(chunk.token_ids)
-        for pos in range(chunk.start, end):
+        for pos in range(chunk.start, chunk.start + len(chunk.token_ids)):
             positions.append(pos)
             slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
-        pad.extend(range(s * max_q, s * max_q + n))
         last.append(len(ids) - 1)
-        table = list(chunk.block_table)
-        tables.append(table + [table[0]] * (max_blocks - len(table)))
-    pos_t = torch.tensor(positions, dtype=torch.long)
-    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
-    # Padded query rows get position start + offset; rows past a sequence's
-    # length are never read back, so what they attend to does not matter.
-    q_pos = starts[:, None] + torch.arange(max_q)[None, :]
-    key_pos = torch.arange(max_blocks * block_size)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    # Only prompt tokens are padded: decode rows use the 4-bit weights, whose
+    # kernel keeps no per-shape state and costs in proportion to its rows.
+    prompt_tokens = len(ids) - num_decode
+    if buckets and prompt_tokens:
+        pad = bucket(prompt_tokens) - prompt_tokens
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+    groups = []
+    if num_decode:
+        groups.append(_group(chunks[:num_decode], 0, block_size, buckets, device))
+    if num_decode < len(chunks):
+        groups.append(_group(chunks[num_decode:], num_decode, block_size, buckets, device))
     return StepBatch(
         token_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=pos_t.to(device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        pad_index=torch.tensor(pad, dtype=torch.long, device=device),
-        mask=mask.to(device),
         last_index=torch.tensor(last, dtype=torch.long, device=device),
+        groups=tuple(groups),
         num_decode=num_decode,
+        block_size=block_size,
+        chunks=tuple(chunks),
     )
