@@ -136,7 +136,13 @@ def test_batch_does_not_change_a_sequence(tiny):
     assert together[1] == alone[0]
     for (p1, a), (p2, b) in zip(seen_together[1], seen_alone[0]):
         assert p1 == p2
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        # float32 noise only: a matmul over 3 rows and over 1 row may sum in
+        # another order. On CPUs with AVX-512 FP16 (this project's machines
+        # since 2026-12) one logit moved by 1.1e-5 (12 ulps of the largest
+        # logit, ~12), so the bound is 16 float32 ulps of the largest logit
+        # (1.5e-5 here; it was a flat 1e-5). Bit-exact batch invariance is
+        # issue #11's to deliver; it will tighten this to equality.
+        np.testing.assert_allclose(a, b, atol=16 * np.spacing(np.float32(np.abs(b).max())), rtol=0)
 
 
 def test_logits_are_not_trivial(tiny):
