@@ -57,13 +57,7 @@ from pathlib import Path
 import httpx
 import trio
 
-WORDS = (
-    "the of and to in is that it for on with as was at by be this from or are "
-    "one all we can had have there were but not when your which what their said "
-    "time will way about many then them would like so these her long make thing "
-    "see him two has look more day could come did number sound most people over "
-    "know water than call first who may down side been now find any new work part"
-).split()
+from serve import WORDS  # bench/serve.py (this script's folder is on sys.path): one-token words
 SYSTEMS = [f"You are assistant number {i}. " + " ".join(random.Random(i).choice(WORDS) for _ in range(90)) for i in range(4)]
 SCHEMA = {
     "type": "object",
