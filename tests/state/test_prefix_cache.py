@@ -544,6 +544,21 @@ def test_fail_all_does_not_register_into_the_cache(make):
     assert p.pool.num_free == 16
 
 
+def test_fail_all_applies_the_cache_limits_even_with_nothing_running(make):
+    """Idle cached blocks that expired while nothing ran go when the engine
+    fails too, as after any other finish (found by the state machine)."""
+    p = policy(blocks=16, idle_s=4.0)
+    first = make("first", A + B + [1], 1)
+    p.enqueue(first)
+    p.admit(0.0)
+    run_to_end(p, first)
+    assert len(p.cache) == 2 and not p.running
+    p.clock.now = 10.0  # both blocks idle for longer than the limit; no trim ran since
+    p.enqueue(make("waiting", C + [2], 1))
+    p.fail_all()
+    assert len(p.cache) == 0 and p.pool.num_free == 16
+
+
 def test_drop_cancelled_registers_the_computed_full_blocks(make):
     p = policy(blocks=16, budget=7)
     run = make("run", A + B + [1, 2, 3], 4)

@@ -221,4 +221,6 @@ class SchedulingPolicy:
         for seq in everyone:
             seq.status = Status.FINISHED
             seq.finish_reason = "error"
+        if self.cache is not None:
+            self.cache.trim(self.clock())  # the limits apply even when nothing was running
         return everyone
