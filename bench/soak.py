@@ -41,6 +41,7 @@ could not be started or reached.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -329,11 +330,9 @@ async def wait_ready(http: httpx.AsyncClient, proc: subprocess.Popen | None, lim
         while True:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {proc.returncode}")
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if (await http.get("/health", timeout=5)).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass  # not listening yet
             await trio.sleep(0.5)
 
 

@@ -42,6 +42,7 @@ protocol and gets the write deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import socket
@@ -233,17 +234,11 @@ class TCPConnection(TCPServer):
         """hypercorn's close (EOF, then close), shielded so that a cancelled
         connection still releases its socket, and never beside a write."""
         with trio.CancelScope(shield=True):
-            try:
-                self.send_lock.acquire_nowait()
-            except trio.WouldBlock:
-                pass  # a write is under way: no orderly EOF, just close
-            else:
-                try:
-                    await self.stream.send_eof()
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-                    pass
-                finally:
-                    self.send_lock.release()
+            # While a write is under way there is no orderly EOF: just close.
+            if not self.send_lock.locked():
+                async with self.send_lock:  # free, so taken at once
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                        await self.stream.send_eof()
             await self.stream.aclose()
 
 
