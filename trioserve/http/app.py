@@ -25,7 +25,7 @@ from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import check_json_body, parse_chat_request, parse_completion_request, sampling_params, tools_offered
 from trioserve.http.sessions import add_session_routes
-from trioserve.http.tools import chat_prompt_ids, compile_guides, message_dict, off_loop
+from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.http.guard import bearer_matches, form_content_type
 from trioserve.http.in_flight import InFlight
 from trioserve.models.output_parser import THINK_OPEN, OutputParser
@@ -206,7 +206,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             _check_model(state, req.model)
             _check_n(engine, req.n)
             messages = map(message_dict, req.messages)  # made in the thread that renders them
-            prompt_ids = await chat_prompt_ids(engine.tokenizer, state.template, messages, req.tools, req.tool_choice)
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, messages, req.tools, req.tool_choice)
             params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
             guides = await compile_guides(engine, req, req.n)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body

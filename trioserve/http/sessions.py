@@ -28,7 +28,7 @@ from trioserve.errors import RequestError
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.models.sampling import SEED_LIMIT
 from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
-from trioserve.http.tools import chat_prompt_ids, compile_guides, message_dict
+from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
 
 # Chat fields a session keeps as defaults for its turns.
@@ -135,7 +135,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             lease = store.begin(session_id, trio.current_time())
             session = lease.session
             new = [message_dict(m) for m in req.messages]
-            prompt_ids = await chat_prompt_ids(engine.tokenizer, state.template, session.conversation(new), req.tools, req.tool_choice)
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, session.conversation(new), req.tools, req.tool_choice)
             params = sampling_params(req, default_max_tokens=default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
             restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
             if not restart and session.seed is not None:

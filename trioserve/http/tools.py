@@ -250,19 +250,8 @@ def render_prompt_ids(
     tokens come only from the template and the server's own text; what the
     request brought is tokenized as text, even where it spells one. When
     no request string does, the ids are those of encoding the rendered
-    text. Blocking and thread-safe: the routes call `chat_prompt_ids`."""
+    text. Blocking and thread-safe: the routes run it through `off_loop`
+    (``messages`` may be a lazy iterable, consumed there)."""
     shield = SpecialTextShield(tokenizer.special_tokens)
     text = render_prompt(template, messages, tools, choice, hide=shield.hide)
     return tokenizer.encode_rendered(text, shield.literals)
-
-
-async def chat_prompt_ids(
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-    messages: Iterable[Mapping[str, Any]],
-    tools: Sequence[Tool] | None = None,
-    choice: ToolChoice | None = None,
-) -> list[int]:
-    """`render_prompt_ids` in a thread (`off_loop`); ``messages`` may be
-    a lazy iterable, consumed there."""
-    return await off_loop(render_prompt_ids, tokenizer, template, messages, tools, choice)

@@ -199,11 +199,9 @@ class TCPConnection(TCPServer):
         async with self.send_lock:
             written = False
             try:
-                with trio.move_on_after(self.limits.write_timeout_s):
+                with trio.move_on_after(self.limits.write_timeout_s), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await self.stream.send_all(event.data)
                     written = True
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
             finally:
                 if not written:  # timed out, failed or cancelled part-way: the response cannot go on
                     self.abort()
