@@ -18,10 +18,10 @@ import platform
 import torch
 import trio
 
-from trioserve.actors.messages import FinalEvent, GenerateRequest
+from trioserve.types import FinalEvent, GenerateRequest
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 
 PROMPT = 128
 OUTPUT = 128

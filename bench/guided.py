@@ -28,12 +28,12 @@ import platform
 import torch
 import trio
 
-from trioserve.actors.messages import FinalEvent, GenerateRequest
+from trioserve.types import FinalEvent, GenerateRequest
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.guided import GuideSpec
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 
 SCHEMA = {
     "type": "array",

@@ -23,14 +23,14 @@ import torch
 import trio
 import trio.testing
 
-from trioserve.actors.messages import FinalEvent, GenerateRequest, TokenEvent
+from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.actors.worker import StepRefused
 from trioserve.config import EngineConfig
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge
 from trioserve.models.checkpoint import Checkpoint, load_checkpoint
 from trioserve.models.llama import LlamaModel
-from trioserve.models.sampling import SEED_LIMIT, SamplingParams
+from trioserve.types import SEED_LIMIT, SamplingParams
 from trioserve.state.kv_pool import blocks_needed
 
 BS = 4  # block size used throughout

@@ -7,12 +7,12 @@ import pytest
 import torch
 import trio
 
-from trioserve.actors.messages import FinalEvent, GenerateRequest, TokenEvent
+from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 

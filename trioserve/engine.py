@@ -14,24 +14,27 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator
 
+import attrs
 import torch
 import trio
 
-from trioserve.actors.messages import Cancel, Event, FinalEvent, GenerateRequest, Submit
+from trioserve.actors.messages import Cancel, SampleRequest, SchedulerMessage, StepRequest, Submit
 from trioserve.actors.sampler import run_sampler
 from trioserve.actors.scheduler import Scheduler, run_scheduler
 from trioserve.actors.worker import run_worker
 from trioserve.config import DTYPE_NAMES, EngineConfig
+from trioserve.core.engine_core import EngineCore, check_request
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.models.checkpoint import Checkpoint, Progress, load_checkpoint
 from trioserve.models.guided import GuideCompiler
 from trioserve.models.llama import LlamaModel
-from trioserve.models.sampling import SamplingError
+from trioserve.models.sampling import new_seed
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool, blocks_for_budget
 from trioserve.state.prefix_cache import PrefixCache
 from trioserve.state.scheduling import SchedulingPolicy
 from trioserve.state.stats import EngineStats
+from trioserve.types import Event, FinalEvent, GenerateRequest
 
 DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 assert tuple(DTYPES) == DTYPE_NAMES
@@ -40,13 +43,21 @@ assert tuple(DTYPES) == DTYPE_NAMES
 class Engine:
     """A handle on running actors: submit requests, read statistics."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, max_model_len: int, scheduler: Scheduler, inbox: trio.MemorySendChannel):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        scheduler: Scheduler,
+        inbox: trio.MemorySendChannel[SchedulerMessage],
+        guides: GuideCompiler,
+    ):
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._scheduler = scheduler
         self._inbox = inbox
-        self.guides = scheduler.guides  # compiles output constraints (guided decoding)
+        self.guides = guides  # compiles output constraints (guided decoding)
 
     def statistics(self) -> EngineStats:
         """The latest frozen snapshot the scheduler published."""
@@ -72,9 +83,14 @@ class Engine:
         Raises on entry: RequestError / RequestTooLarge (bad or impossible
         request), QueueFull, EngineDead, EngineClosed. Leaving the block
         before the FinalEvent, or being cancelled, cancels the request; the
-        scheduler frees its blocks within one step."""
+        scheduler frees its blocks within one step.
+
+        The edge of the engine: a request without a seed gets a fresh one
+        here, so everything past this point is deterministic."""
         check_request(request, self.tokenizer.vocab_size)
         request_id = request.request_id or f"req-{secrets.token_hex(8)}"
+        if request.params.seed is None:
+            request = attrs.evolve(request, params=attrs.evolve(request.params, seed=new_seed()))
         events_send, events = trio.open_memory_channel(request.params.max_tokens + 2)
         reply_send, reply = trio.open_memory_channel(1)
         stream = _EventStream(events)
@@ -129,22 +145,6 @@ class _EventStream:
         return event
 
 
-def check_request(request: GenerateRequest, vocab_size: int) -> None:
-    """Validate what needs no engine state, at the edge: the prompt ids and
-    the sampling parameters. Raises RequestError naming the field."""
-    if not request.prompt_ids:
-        raise RequestError("the prompt is empty", field="prompt")
-    bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", field="prompt")
-    if not (isinstance(request.draw_start, int) and request.draw_start >= 0):
-        raise RequestError(f"draw_start must be a whole number of at least 0, got {request.draw_start!r}", field="draw_start")
-    try:
-        request.params.validate(vocab_size)
-    except SamplingError as exc:
-        raise RequestError(str(exc), field=exc.field) from exc
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
@@ -191,19 +191,19 @@ async def open_engine(
         max_queue=config.max_queue,
         retry_after=config.retry_after_s,
         prefix_cache=prefixes,
-        clock=trio.current_time,
     )
-    worker_send, worker_recv = trio.open_memory_channel(1)
-    sampler_send, sampler_recv = trio.open_memory_channel(1)
-    inbox_send, inbox_recv = trio.open_memory_channel(config.channel_size)
+    worker_send, worker_recv = trio.open_memory_channel[StepRequest](1)
+    sampler_send, sampler_recv = trio.open_memory_channel[SampleRequest](1)
+    inbox_send, inbox_recv = trio.open_memory_channel[SchedulerMessage](config.channel_size)
     guides = GuideCompiler(checkpoint.tokenizer)
-    scheduler = Scheduler(policy, checkpoint.tokenizer, worker_send, sampler_send, guides)
+    core = EngineCore(policy, checkpoint.tokenizer)
+    scheduler = Scheduler(core, worker_send)
     async with trio.open_nursery() as nursery:
-        await nursery.start(run_worker, model, cache, worker_recv)
-        await nursery.start(run_sampler, sampler_recv)
+        await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides)
+        await nursery.start(run_worker, model, cache, worker_recv, sampler_send)
         await nursery.start(run_scheduler, scheduler, inbox_recv)
         try:
-            yield Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send)
+            yield Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
         finally:
             inbox_send.close()
             nursery.cancel_scope.cancel()
@@ -217,10 +217,3 @@ def prefix_cache_blocks(config: EngineConfig, kv_bytes_per_token: int) -> int | 
     if config.prefix_cache_max_bytes is not None:
         limits.append(config.prefix_cache_max_bytes // (kv_bytes_per_token * config.block_size))
     return min(limits) if limits else None
-
-
-def collect_text(events: list[Event]) -> str:
-    """The whole output text of a finished request's events."""
-    return "".join(e.text for e in events)
-
-

@@ -112,7 +112,7 @@ def slow_steps(monkeypatch) -> Callable[[float], None]:
     step itself is the real one."""
 
     def install(seconds: float) -> None:
-        real = worker.run_step
+        real = worker.forward_step
 
         def slow(*args, **kwargs):
             import time
@@ -120,7 +120,7 @@ def slow_steps(monkeypatch) -> Callable[[float], None]:
             time.sleep(seconds)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(worker, "run_step", slow)
+        monkeypatch.setattr(worker, "forward_step", slow)
 
     return install
 

@@ -201,7 +201,7 @@ async def health_while(client: httpx.AsyncClient, request) -> tuple[httpx.Respon
 
 
 async def test_huge_stop_strings_are_refused_at_once_with_the_numbers(nursery, tiny_gguf):
-    from trioserve.models.sampling import MAX_STOP_BYTES, MAX_STOP_CHARS  # noqa: PLC0415 - new names
+    from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS  # noqa: PLC0415 - new names
 
     url = await start_server(nursery, make_settings(tiny_gguf, max_body_bytes=8 << 20))
     huge = json.dumps(chat(stop=["ab" * 120_000 + str(i) for i in range(16)])).encode()  # 3.9 MB of stops

@@ -18,7 +18,7 @@ from trioserve.http.schemas import (
     parse_completion_request,
     sampling_params,
 )
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 
 USER = {"role": "user", "content": "hi"}
 
@@ -509,7 +509,7 @@ def test_full_mapping_passes_validation() -> None:
 
 def _size_limits():
     from trioserve.http import schemas
-    from trioserve.models import sampling
+    from trioserve import types as sampling
 
     return schemas, sampling
 

@@ -38,12 +38,12 @@ from tests.http.conftest import (
     read_sse,
     start_server,
 )
-from trioserve.actors.messages import FinalEvent, GenerateRequest, TokenEvent
+from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.config import EngineConfig
 from trioserve.engine import Engine, open_engine
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 
 TIMEOUT = httpx.Timeout(10.0)
 

@@ -14,17 +14,8 @@ import pytest
 import torch
 
 from trioserve.errors import TrioserveError
-from trioserve.models.sampling import (
-    Row,
-    Sampled,
-    SamplingError,
-    SamplingParams,
-    _processed,
-    choose,
-    new_seed,
-    sample_rows,
-    uniform,
-)
+from trioserve.models.sampling import _processed, choose, new_seed, sample_rows, uniform
+from trioserve.types import SampleRow, Sampled, SamplingError, SamplingParams
 
 # ---------------------------------------------------------------- the stream
 
@@ -142,10 +133,10 @@ def test_a_draw_does_not_depend_on_the_batch(name: str) -> None:
     history = [int(t) for t in rng.integers(0, vocab, 300)]
     target_logits = torch.randn(vocab, generator=gen) * 3
     for index in range(8):
-        row = Row(TARGETS[name], seed=987654321, draw_index=index, history=history)
+        row = SampleRow(TARGETS[name], seed=987654321, draw_index=index, history=history)
         alone = sample_rows(target_logits[None, :], [row])
         others = [
-            Row(_random_params(rng), seed=int(rng.integers(2**63)), draw_index=int(rng.integers(100)), history=history)
+            SampleRow(_random_params(rng), seed=int(rng.integers(2**63)), draw_index=int(rng.integers(100)), history=history)
             for _ in range(16)
         ]
         logits = torch.randn(16, vocab, generator=gen) * 3
@@ -156,12 +147,12 @@ def test_a_draw_does_not_depend_on_the_batch(name: str) -> None:
 
 def test_greedy_is_argmax_and_takes_no_draw() -> None:
     logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.9]] * 3)
-    rows = [Row(SamplingParams(temperature=0.0), seed=s, draw_index=s * 7, history=()) for s in range(3)]
+    rows = [SampleRow(SamplingParams(temperature=0.0), seed=s, draw_index=s * 7, history=()) for s in range(3)]
     assert sample_rows(logits, rows) == [Sampled(token=1, draws=0, logprob=None, top_logprobs=())] * 3
 
 
 def test_a_sampled_token_takes_one_draw() -> None:
-    out = sample_rows(torch.zeros(2, 10), [Row(SamplingParams(), seed=5, draw_index=i, history=()) for i in range(2)])
+    out = sample_rows(torch.zeros(2, 10), [SampleRow(SamplingParams(), seed=5, draw_index=i, history=()) for i in range(2)])
     assert [s.draws for s in out] == [1, 1]
 
 
@@ -169,7 +160,7 @@ def test_logits_are_left_alone_and_any_float_dtype_works() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
     params = SamplingParams(temperature=0.5, top_k=5, repetition_penalty=1.5, logit_bias=((3, 2.0),))
-    rows = [Row(params, seed=1, draw_index=i, history=[3, 4]) for i in range(3)]
+    rows = [SampleRow(params, seed=1, draw_index=i, history=[3, 4]) for i in range(3)]
     sample_rows(logits, rows)
     assert torch.equal(logits, before)
     low = logits.to(torch.bfloat16)
@@ -234,7 +225,7 @@ def test_masks_on_a_known_distribution(name: str) -> None:
     params, kept = MASK_CASES[name]
     n = 3000
     logits = torch.log(torch.tensor([PROBS] * n))
-    rows = [Row(params, seed=2024, draw_index=i, history=()) for i in range(n)]
+    rows = [SampleRow(params, seed=2024, draw_index=i, history=()) for i in range(n)]
     drawn = [s.token for s in sample_rows(logits, rows)]
     assert set(drawn) <= kept
     checked = 0
@@ -248,7 +239,7 @@ def test_masks_on_a_known_distribution(name: str) -> None:
 
 def test_top_p_tie_at_the_cut_keeps_lowest_ids() -> None:
     # Five equal tokens; top_p 0.5 needs three of them (0.6): ids 0, 1, 2.
-    rows = [Row(SamplingParams(top_p=0.5), seed=3, draw_index=i, history=()) for i in range(600)]
+    rows = [SampleRow(SamplingParams(top_p=0.5), seed=3, draw_index=i, history=()) for i in range(600)]
     drawn = [s.token for s in sample_rows(torch.zeros(600, 5), rows)]
     assert set(drawn) == {0, 1, 2}
 
@@ -257,7 +248,7 @@ def test_frequencies_match_probabilities() -> None:
     probs = [0.1, 0.2, 0.3, 0.4]
     n = 4000
     logits = torch.log(torch.tensor([probs] * n))
-    rows = [Row(SamplingParams(temperature=1.0), seed=77, draw_index=i, history=()) for i in range(n)]
+    rows = [SampleRow(SamplingParams(temperature=1.0), seed=77, draw_index=i, history=()) for i in range(n)]
     counts = np.bincount([s.token for s in sample_rows(logits, rows)], minlength=4)
     # One standard error is at most sqrt(0.24 / 4000) = 0.008.
     assert np.all(np.abs(counts / n - np.array(probs)) < 0.03)
@@ -268,12 +259,12 @@ def test_frequencies_match_probabilities() -> None:
 
 def _one(params: SamplingParams, history: list[int], logits: list[float]) -> list[float]:
     raw = torch.tensor([logits])
-    return _processed(raw, [Row(params, seed=0, draw_index=0, history=history)])[0].tolist()
+    return _processed(raw, [SampleRow(params, seed=0, draw_index=0, history=history)])[0].tolist()
 
 
 def test_penalties_at_their_defaults_do_no_work() -> None:
     raw = torch.randn(4, 30)
-    rows = [Row(SamplingParams(temperature=0.7), seed=0, draw_index=0, history=[1, 2, 3])] * 4
+    rows = [SampleRow(SamplingParams(temperature=0.7), seed=0, draw_index=0, history=[1, 2, 3])] * 4
     assert _processed(raw, rows) is raw
 
 
@@ -309,7 +300,7 @@ def test_penalties_count_the_prompt() -> None:
         (SamplingParams(temperature=0.0, frequency_penalty=1.0), 1),
         (SamplingParams(temperature=0.0, repetition_penalty=2.0), 1),
     ]:
-        row = Row(params, seed=0, draw_index=0, history=prompt + output)
+        row = SampleRow(params, seed=0, draw_index=0, history=prompt + output)
         assert sample_rows(logits, [row])[0].token == expected
 
 
@@ -321,10 +312,10 @@ def test_logit_bias_bans_and_forces() -> None:
     logits = torch.tensor([[0.0, 0.0, 5.0, 0.0]] * n)
     for temperature in (0.0, 1.0, 2.0):
         banned = SamplingParams(temperature=temperature, logit_bias=((2, -100.0),))
-        tokens = {s.token for s in sample_rows(logits, [Row(banned, 1, i, ()) for i in range(n)])}
+        tokens = {s.token for s in sample_rows(logits, [SampleRow(banned, 1, i, ()) for i in range(n)])}
         assert 2 not in tokens
         forced = SamplingParams(temperature=temperature, logit_bias=((0, 100.0),))
-        tokens = {s.token for s in sample_rows(logits, [Row(forced, 1, i, ()) for i in range(n)])}
+        tokens = {s.token for s in sample_rows(logits, [SampleRow(forced, 1, i, ()) for i in range(n)])}
         assert tokens == {0}
 
 
@@ -342,7 +333,7 @@ def test_logprobs_describe_the_raw_distribution() -> None:
         SamplingParams(temperature=1.0, logprobs=True),
         SamplingParams(temperature=1.0),
     ]
-    rows = [Row(p, seed=11, draw_index=0, history=[9, 10, 11]) for p in params]
+    rows = [SampleRow(p, seed=11, draw_index=0, history=[9, 10, 11]) for p in params]
     out = sample_rows(raw, rows)
     for r in range(3):
         s = out[r]
@@ -363,10 +354,10 @@ def test_logprobs_describe_the_raw_distribution() -> None:
 def test_top_logprobs_ties_by_id_and_short_vocabulary() -> None:
     logits = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
     params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
-    top = sample_rows(logits, [Row(params, 0, 0, ())])[0].top_logprobs
+    top = sample_rows(logits, [SampleRow(params, 0, 0, ())])[0].top_logprobs
     assert [t for t, _ in top] == [1, 2]
     params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20)
-    top = sample_rows(logits, [Row(params, 0, 0, ())])[0].top_logprobs
+    top = sample_rows(logits, [SampleRow(params, 0, 0, ())])[0].top_logprobs
     assert [t for t, _ in top] == [1, 2, 3, 0]
     assert math.fsum(math.exp(lp) for _, lp in top) == pytest.approx(1.0)
 

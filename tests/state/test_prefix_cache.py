@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state import prefix_cache as prefix_cache_module
 from trioserve.state.kv_pool import BlockPool, blocks_needed

@@ -8,7 +8,7 @@ import pytest
 
 from trioserve.errors import QueueFull, RequestTooLarge
 from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy

@@ -53,10 +53,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from trioserve.actors.scheduler import Scheduler
+from trioserve.core.engine_core import EngineCore
 from trioserve.errors import RequestTooLarge
 from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.sampling import SamplingParams
+from trioserve.types import SamplingParams
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.prefix_cache import ROOT, PrefixCache, block_key, held_key
@@ -151,7 +151,8 @@ class SessionMachine(RuleBasedStateMachine):
         # The real register of orders (only `settle` and `retention` are used,
         # with no trio running), and its model: (owner, request id) ->
         # "commit" | "cancel", (owner, None) -> "forget", insertion-ordered.
-        self.scheduler = Scheduler(self.policy, tok, None, None)
+        self.scheduler = EngineCore(self.policy, tok)
+        self.policy.clock = lambda: self.now
         self.orders: dict[tuple[str, str | None], str] = {}
         self.removed: list[str] = []  # what on_remove was told, checked by each rule
         self.counter = 0
@@ -182,7 +183,7 @@ class SessionMachine(RuleBasedStateMachine):
         its model: one entry per (owner, request id), "forget" per (owner,
         None); setting an entry again keeps its place."""
         self.orders[(owner, None if order == "forget" else request_id)] = order
-        self.scheduler.settle(owner, order, request_id)
+        self.scheduler.settle(owner, order, request_id, self.now)
         assert list(self.scheduler.retention.items()) == list(self.orders.items())
 
     def iterate(self, token: int | None = None) -> None:

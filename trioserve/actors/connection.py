@@ -17,11 +17,11 @@ import attrs
 import trio
 from quart import Response
 
-from trioserve.actors.messages import FinalEvent, GenerateRequest
+from trioserve.types import FinalEvent, GenerateRequest
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError, error_response, json_response, to_response
 from trioserve.models.output_parser import OutputParser
-from trioserve.models.sampling import SEED_LIMIT
+from trioserve.types import SEED_LIMIT
 
 
 def seed_for(params, index: int):

@@ -14,8 +14,9 @@ import time
 import torch
 import trio
 
-from trioserve.actors.messages import StepReply, StepRequest, deliver
-from trioserve.models.step import build_step
+from trioserve.actors.messages import SampleRequest, StepRequest, deliver
+from trioserve.models.step import SeqChunk, build_step
+from trioserve.types import StepPlan, StepResult
 
 
 # How often the worker hands freed heap memory back to the OS (seconds; 0: never).
@@ -67,36 +68,53 @@ def _malloc_trim():
     return trim
 
 
-def run_step(model, cache, block_size: int, request: StepRequest) -> StepReply:
-    """The blocking part, run in the worker thread."""
-    started = time.perf_counter()
+def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | torch.Tensor:
+    """The blocking part, run in the worker thread: the logits of the
+    plan's sampling rows ([rows, vocab] fp32 on the CPU), or the StepResult
+    that says why there are none."""
     try:
-        batch = build_step(request.chunks, block_size, model.device)
+        chunks = [SeqChunk(r.token_ids, r.start, r.block_table, r.decode) for r in plan.rows]
+        batch = build_step(chunks, block_size, model.device)
         if int(batch.positions.max()) >= model.config.max_position:
             raise StepRefused(f"position {int(batch.positions.max())} is past the model's context")
     except (ValueError, StepRefused) as exc:
-        return StepReply(None, refused=str(exc))
+        return StepResult(plan.number, refused=str(exc))
     try:
         logits = model.forward(batch, cache)
-        wanted = logits.index_select(0, torch.tensor(request.sample_rows, dtype=torch.long, device=logits.device))
-        wanted = wanted.float().cpu()
+        index = [i for i, r in enumerate(plan.rows) if r.sample is not None]
+        wanted = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+        return wanted.float().cpu()
     except StepRefused as exc:
-        return StepReply(None, refused=str(exc))
+        return StepResult(plan.number, refused=str(exc))
     except Exception as exc:  # noqa: BLE001 - any fault mid-step may have half-written the cache
-        return StepReply(None, fatal=f"{type(exc).__name__}: {exc}")
-    return StepReply(wanted, seconds=time.perf_counter() - started)
+        return StepResult(plan.number, fatal=f"{type(exc).__name__}: {exc}")
 
 
-async def run_worker(model, cache, inbox: trio.MemoryReceiveChannel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve StepRequests from ``inbox`` until it closes. Each reply goes to
-    the channel carried in the request. Cancellation waits for a running step
-    to return (threads cannot be interrupted), then ends the actor."""
+async def run_worker(
+    model,
+    cache,
+    inbox: trio.MemoryReceiveChannel[StepRequest],
+    sampler: trio.MemorySendChannel[SampleRequest],
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve StepRequests from ``inbox`` until it closes. The logits of a
+    step go straight to the sampler, which replies to the channel the
+    request carries; a step that samples nothing or failed is answered here.
+    Cancellation waits for a running step to return (threads cannot be
+    interrupted), then ends the actor."""
     block_size = cache.block_size
     trimmer = HeapTrimmer()
     task_status.started()
     async with inbox:
         async for request in inbox:
-            reply = await trio.to_thread.run_sync(run_step, model, cache, block_size, request)
-            deliver(request.reply, reply)  # False: the scheduler stopped waiting
-            if trimmer.due():  # while the scheduler samples this step's logits
+            plan = request.plan
+            out = await trio.to_thread.run_sync(forward_step, model, cache, block_size, plan)
+            if isinstance(out, StepResult):
+                deliver(request.reply, out)  # False: the scheduler stopped waiting
+            elif not plan.sampling:
+                deliver(request.reply, StepResult(plan.number))
+            else:
+                await sampler.send(SampleRequest(plan, out, request.reply))
+            if trimmer.due():  # while the sampler works on this step's logits
                 await trio.to_thread.run_sync(trimmer.trim)

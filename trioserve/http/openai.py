@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import attrs
 
 from trioserve import __version__
-from trioserve.actors.messages import FinalEvent, TokenEvent
+from trioserve.types import FinalEvent, TokenEvent
 from trioserve.models.output_parser import Delta, OutputParser, Parsed, ToolCall
 from trioserve.models.tokenizer import Tokenizer
 

@@ -45,14 +45,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from trioserve.errors import RequestError
 from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE
-from trioserve.models.sampling import (
-    MAX_STOP_BYTES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_TOP_LOGPROBS,
-    SEED_LIMIT,
-    SamplingParams,
-)
+from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5

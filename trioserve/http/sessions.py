@@ -26,7 +26,7 @@ from trioserve.actors.connection import Connection
 from trioserve.http import openai
 from trioserve.errors import RequestError
 from trioserve.http.errors import HTTPError, error_response, json_response
-from trioserve.models.sampling import SEED_LIMIT
+from trioserve.types import SEED_LIMIT
 from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease

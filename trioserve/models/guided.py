@@ -49,8 +49,9 @@ class Guide:
     """One request's constraint state. Not thread-safe: the scheduler and
     the mask thread take turns (the scheduler waits for the masks)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, spec: GuideSpec) -> None:
         self.matcher = matcher
+        self.spec = spec  # what it was compiled from: a trace records it, a replay compiles it again
 
     def advance(self, token: int) -> None:
         """Take the sampled token. Raises ValueError if it breaks the
@@ -112,7 +113,7 @@ class GuideCompiler:
             matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
             if matcher.is_error():
                 raise RequestError(f"{spec.field}: {_describe(spec)}: {_one_line(matcher.get_error())}", field=spec.field)
-            out.append(Guide(matcher))
+            out.append(Guide(matcher, spec))
         return out
 
     def fill_masks(self, guides: Sequence[Guide | None]) -> torch.Tensor | None:

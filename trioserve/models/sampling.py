@@ -24,7 +24,7 @@ Each row is processed in this order:
    token-id order (`choose`). It consumes exactly one draw.
 
 Wherever a cut falls among equal probabilities, the lowest ids are kept. A
-row's token depends only on its own logits and Row, never on the other rows.
+row's token depends only on its own logits and SampleRow, never on the other rows.
 Logprobs describe the model's distribution: log_softmax of the raw logits,
 before any of the steps above.
 
@@ -38,125 +38,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trioserve.errors import TrioserveError
 from trioserve.models.guided import apply_masks
-
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-# Stop strings are matched by an automaton built on the event loop, one node
-# per character: the HTTP schemas bound each string and all of them together.
-MAX_STOP_CHARS = 256  # characters in one stop string
-MAX_STOP_BYTES = 2048  # UTF-8 bytes in all of a request's stop strings
-SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
-
-
-class SamplingError(TrioserveError, ValueError):
-    """Sampling parameters the engine refuses. ``field`` names the offending
-    parameter; ``str()`` is the message for the client."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(message)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_number(field: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    # Only comparisons that hold let a value through, so NaN is refused too.
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if (value > lo if lo_open else value >= lo) and value <= hi:
-            return
-    if lo_open:
-        raise SamplingError(field, f"{field} must be greater than {lo:g} and at most {hi:g}, got {value!r}")
-    raise SamplingError(field, f"{field} must be between {lo:g} and {hi:g}, got {value!r}")
-
-
-def _check_token(field: str, token: object, vocab_size: int) -> None:
-    if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size:
-        return
-    raise SamplingError(field, f"{field}: {token!r} is not a token id (the vocabulary has {vocab_size})")
-
-
-@attrs.frozen
-class SamplingParams:
-    """How one request turns logits into tokens. `validate` checks the values;
-    the constructor does not, so that the HTTP layer can build one first and
-    report the first bad field."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-    seed: int | None = None  # None = the engine picks one and reports it
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any penalty differs from its default (no effect)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise SamplingError for the first field out of range; token ids
-        must be below ``vocab_size``."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise SamplingError("max_tokens", f"max_tokens must be a whole number of at least 1, got {self.max_tokens!r}")
-        _check_number("temperature", self.temperature, 0, 2)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise SamplingError("top_k", f"top_k must be a whole number of at least 0 (0 turns it off), got {self.top_k!r}")
-        _check_number("top_p", self.top_p, 0, 1, lo_open=True)
-        _check_number("min_p", self.min_p, 0, 1)
-        _check_number("presence_penalty", self.presence_penalty, -2, 2)
-        _check_number("frequency_penalty", self.frequency_penalty, -2, 2)
-        _check_number("repetition_penalty", self.repetition_penalty, 0, 2, lo_open=True)
-        seen: set[int] = set()
-        for pair in self.logit_bias:
-            if not isinstance(pair, tuple | list) or len(pair) != 2:
-                raise SamplingError("logit_bias", f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
-            token, bias = pair
-            _check_token("logit_bias", token, vocab_size)
-            if token in seen:
-                raise SamplingError("logit_bias", f"logit_bias: token {token} appears more than once")
-            seen.add(token)
-            _check_number("logit_bias", bias, -100, 100)
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
-            raise SamplingError("seed", f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
-        if not isinstance(self.logprobs, bool):
-            raise SamplingError("logprobs", f"logprobs must be true or false, got {self.logprobs!r}")
-        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise SamplingError("top_logprobs", f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
-        if self.top_logprobs and not self.logprobs:
-            raise SamplingError("top_logprobs", "top_logprobs needs logprobs to be true")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise SamplingError("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
-        for text in self.stop:
-            if not isinstance(text, str) or not text:
-                raise SamplingError("stop", f"stop strings must be non-empty strings, got {text!r}")
-        for token in self.stop_token_ids:
-            _check_token("stop_token_ids", token, vocab_size)
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-
+from trioserve.types import Sampled, SampleRow, SamplingParams
 
 # Philox4x64-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
 _MASK64 = (1 << 64) - 1
@@ -186,27 +73,7 @@ def new_seed() -> int:
     return secrets.randbits(63)
 
 
-@attrs.frozen
-class Row:
-    """One row of a step's logits and what the sampler needs to know about it."""
-
-    params: SamplingParams
-    seed: int  # resolved: never None here
-    draw_index: int  # the next unused draw of this request
-    history: Sequence[int]  # prompt ids + output ids so far; ids outside the vocabulary are ignored
-
-
-@attrs.frozen
-class Sampled:
-    """What `sample_rows` chose for one row."""
-
-    token: int
-    draws: int  # draws consumed: 0 for greedy, 1 otherwise
-    logprob: float | None  # of the chosen token, when params.logprobs
-    top_logprobs: tuple[tuple[int, float], ...]  # (id, logprob), best first
-
-
-def sample_rows(logits: torch.Tensor, rows: Sequence[Row], masks: torch.Tensor | None = None) -> list[Sampled]:
+def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Tensor | None = None) -> list[Sampled]:
     """Choose one token for each row of ``logits`` ([R, V], any float dtype)
     following ``rows[r]``; with ``masks`` (an int32 bitmask per row, see
     models.guided), only among the tokens a row's mask allows. Never
@@ -255,7 +122,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[Row], masks: torch.Tensor |
     ]
 
 
-def _processed(raw: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+def _processed(raw: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Steps 1-3: the logits after bias and penalties; ``raw`` itself when no
     row asks for either, otherwise a new tensor."""
     biased = [i for i, row in enumerate(rows) if row.params.logit_bias]

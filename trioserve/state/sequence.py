@@ -5,14 +5,16 @@ Python; owned by the scheduler alone."""
 from __future__ import annotations
 
 import enum
-from typing import Any
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import attrs
 
-from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.sampling import SamplingParams
 from trioserve.state.stops import StopMatcher
+from trioserve.types import Guide, SamplingParams
+
+if TYPE_CHECKING:
+    from trioserve.models.detokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -51,7 +53,7 @@ class Sequence:
     last_token_at: float | None = None
     finish_reason: str | None = None
     retain: str | None = None  # owner (a session) that keeps this sequence's KV when it commits
-    guide: Any = None  # a models.guided.Guide: the output constraint, if any
+    guide: Guide | None = None  # the output constraint, if any
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,288 @@
+"""The engine core: every decision the engine makes, as a synchronous object
+with no trio, no clocks, no randomness and no I/O.
+
+It takes inputs -- `submit`, `cancel`, `settle` (an owner's order about
+retained KV), `plan` (the top of an iteration), `result` (what a planned
+step gave) and `die` -- each with the time ``now`` its caller read, and
+returns what to publish: the refusal of a submission, token events and
+final events, and the next step's plan. Given the same inputs in the same
+order, a core returns the same outputs, byte for byte: that is what makes a
+run recordable at this one boundary and replayable without the model
+(core/trace.py, core/replay.py). The scheduler actor is a thin shell that
+feeds it; seeds are resolved before a request reaches it.
+
+Contract: at most one plan is in flight. `plan` refuses to run while one
+is; `result` must name the plan in flight. Inputs that arrive while a step
+runs (submissions, cancellations, orders) are taken at once; cancellations
+and orders take effect at the next `plan`, before admission."""
+
+from __future__ import annotations
+
+import attrs
+
+from trioserve.errors import EngineDead, RequestError, TrioserveError
+from trioserve.models.detokenizer import IncrementalDetokenizer
+from trioserve.models.tokenizer import Tokenizer
+from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
+from trioserve.state.sequence import Sequence
+from trioserve.state.stats import EngineStats, StatsRecorder
+from trioserve.state.stops import StopMatcher
+from trioserve.types import (
+    Event,
+    FinalEvent,
+    GenerateRequest,
+    PlanRow,
+    SampleRow,
+    SamplingError,
+    StepPlan,
+    StepResult,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+
+ORDERS = ("commit", "cancel", "forget")
+
+
+class CoreMisuse(RuntimeError):
+    """An input that breaks the core's contract (a result for a plan that is
+    not in flight, a second plan while one is): a bug in the caller, or a
+    trace that was not recorded from a core."""
+
+
+def check_request(request: GenerateRequest, vocab_size: int) -> None:
+    """Validate what needs no engine state: the prompt ids, the draw start
+    and the sampling parameters. Raises RequestError naming the field."""
+    if not request.prompt_ids:
+        raise RequestError("the prompt is empty", field="prompt")
+    bad = [t for t in request.prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", field="prompt")
+    if not (isinstance(request.draw_start, int) and request.draw_start >= 0):
+        raise RequestError(f"draw_start must be a whole number of at least 0, got {request.draw_start!r}", field="draw_start")
+    try:
+        request.params.validate(vocab_size)
+    except SamplingError as exc:
+        raise RequestError(str(exc), field=exc.field) from exc
+
+
+@attrs.define
+class _InFlight:
+    plan: StepPlan
+    rows: list[PlannedRow]
+
+
+class EngineCore:
+    def __init__(self, policy: SchedulingPolicy, tokenizer: Tokenizer) -> None:
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        self.seqs: dict[str, Sequence] = {}
+        # Owners' orders about retained KV, applied in order at the next
+        # `plan` before admission: (owner, request id) -> "commit" |
+        # "cancel", and (owner, None) -> "forget". Setting an entry again
+        # keeps its place.
+        self.retention: dict[tuple[str, str | None], str] = {}
+        self.stats = StatsRecorder()
+        self.steps_planned = 0
+        self._in_flight: _InFlight | None = None
+        self._now = 0.0
+        # The policy reads the time through this, so it sees only the
+        # callers' ``now``, never a clock.
+        policy.clock = lambda: self._now
+
+    # -- inputs ----------------------------------------------------------
+    def submit(self, request_id: str, request: GenerateRequest, now: float) -> TrioserveError | None:
+        """Queue a request, or return why it is refused (nothing is kept then)."""
+        self._now = now
+        try:
+            seq = self._sequence(request_id, request, now)
+            self.policy.enqueue(seq)
+        except TrioserveError as exc:
+            return exc
+        self.seqs[request_id] = seq
+        return None
+
+    def cancel(self, request_id: str, now: float) -> None:
+        """Stop a request (its consumer left); it ends at the next `plan`
+        unless the step in flight ends it first. Unknown ids are ignored."""
+        self._now = now
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            seq.cancelled = True
+
+    def settle(self, owner: str, order: str, request_id: str | None, now: float) -> None:
+        """An owner's order about retained KV: "commit" or "cancel" the KV
+        held for its turn ``request_id``, or "forget" all it keeps."""
+        if order not in ORDERS:
+            raise ValueError(f"unknown retention order {order!r}")
+        self._now = now
+        self.retention[(owner, None if order == "forget" else request_id)] = order
+
+    def plan(self, now: float) -> tuple[list[Event], StepPlan | None]:
+        """The top of an iteration: apply the owners' orders, end cancelled
+        requests, admit, and plan the next step (None: nothing to run)."""
+        if self._in_flight is not None:
+            raise CoreMisuse(f"step {self._in_flight.plan.number} is still in flight")
+        self._now = now
+        orders, self.retention = self.retention, {}
+        for (owner, request_id), order in orders.items():
+            self.policy.settle(owner, order, request_id)
+        if orders and self.policy.cache is not None:
+            self.policy.cache.trim(now)
+        events: list[Event] = []
+        for seq in self.policy.drop_cancelled():
+            events.append(self._final(seq, "cancelled"))
+        for seq in self.policy.admit(now):
+            self.stats.queue_wait.add(now - seq.arrival)
+        rows = self.policy.plan()
+        if not rows:
+            return events, None
+        self.steps_planned += 1
+        plan = StepPlan(self.steps_planned, tuple(self._plan_row(r) for r in rows))
+        self._in_flight = _InFlight(plan, rows)
+        return events, plan
+
+    def result(self, result: StepResult, now: float) -> list[Event]:
+        """Take what the plan in flight gave: commit tokens, end requests."""
+        flight = self._in_flight
+        if flight is None or result.step != flight.plan.number:
+            expected = "no step" if flight is None else f"step {flight.plan.number}"
+            raise CoreMisuse(f"a result for step {result.step} while {expected} is in flight")
+        self._in_flight = None
+        self._now = now
+        if result.fatal is not None:
+            return self.die(f"a model step failed part-way: {result.fatal}", now)
+        rows = flight.rows
+        if result.refused is not None:
+            return [self._fail(r.seq, f"the step was refused: {result.refused}") for r in rows]
+        self.policy.stepped(rows)
+        self.stats.steps += 1
+        self.stats.last_batch = len(rows)
+        self.stats.prompt_tokens += sum(max(0, min(len(r.seq.prompt_ids), r.start + len(r.tokens)) - r.start) for r in rows)
+        sampling = [r for r in rows if r.samples]
+        if result.failed is not None:
+            return [self._fail(r.seq, result.failed) for r in sampling]
+        if len(result.sampled) != len(sampling):
+            raise CoreMisuse(f"step {result.step} has {len(sampling)} sampling rows but its result has {len(result.sampled)}")
+        events: list[Event] = []
+        for row, tokens in zip(sampling, result.sampled, strict=True):
+            for sampled in tokens:
+                if self._commit(row.seq, sampled, now, events):
+                    break
+        return events
+
+    def die(self, cause: str, now: float) -> list[Event]:
+        """The engine cannot go on: every request ends with an error, and
+        every later submission is refused with ``cause``."""
+        self._now = now
+        self._in_flight = None
+        self.stats.dead = cause
+        return [self._final(seq, "error", error=f"the engine is dead: {cause}") for seq in self.policy.fail_all()]
+
+    # -- reading -----------------------------------------------------------
+    @property
+    def dead(self) -> str | None:
+        return self.stats.dead
+
+    @property
+    def in_flight(self) -> StepPlan | None:
+        return None if self._in_flight is None else self._in_flight.plan
+
+    def snapshot(self) -> EngineStats:
+        pool = self.policy.pool.stats()
+        prefix = self.policy.cache.stats() if self.policy.cache is not None else None
+        return self.stats.snapshot(
+            running=len(self.policy.running),
+            waiting=len(self.policy.waiting),
+            used=pool.used_blocks - (prefix.idle_blocks if prefix else 0),
+            total=pool.total_blocks,
+            block_size=pool.block_size,
+            prefix=prefix,
+        )
+
+    # -- inside ------------------------------------------------------------
+    def _sequence(self, request_id: str, request: GenerateRequest, now: float) -> Sequence:
+        if self.stats.dead is not None:
+            raise EngineDead(self.stats.dead)
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
+        check_request(request, self.vocab_size)
+        params = request.params
+        if params.seed is None:
+            raise RequestError("the seed must be resolved before a request reaches the engine core", field="seed")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.tokenizer.stop_ids)
+        return Sequence(
+            id=request_id,
+            prompt_ids=list(request.prompt_ids),
+            params=params,
+            seed=params.seed,
+            draw_index=request.draw_start,
+            stop_ids=frozenset(stop_ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stops=StopMatcher(params.stop),
+            arrival=now,
+            retain=request.retain,
+            guide=request.guide,
+        )
+
+    def _plan_row(self, row: PlannedRow) -> PlanRow:
+        seq = row.seq
+        sample = None
+        if row.samples:
+            history = tuple(seq.history()) if seq.params.penalized else ()
+            sample = SampleRow(seq.params, seq.seed, seq.draw_index, history)
+        return PlanRow(
+            seq.id,
+            tuple(row.tokens),
+            row.start,
+            tuple(self.policy.block_table(seq)),
+            row.decode,
+            sample,
+            seq.guide if sample is not None else None,
+        )
+
+    def _commit(self, seq: Sequence, sampled, now: float, events: list[Event]) -> bool:
+        """Take one sampled token; True when the request ended with it."""
+        if seq.last_token_at is None:
+            self.stats.ttft.add(now - seq.arrival)
+        else:
+            self.stats.inter_token.add(now - seq.last_token_at)
+        if seq.guide is not None:
+            try:
+                seq.guide.advance(sampled.token)
+            except ValueError as exc:
+                events.append(self._fail(seq, str(exc)))
+                return True
+        is_stop_id = sampled.token in seq.stop_ids
+        outcome = seq.commit(sampled.token, sampled.draws, now)
+        self.stats.generated_tokens += 1
+        tail = ""
+        if is_stop_id:
+            tail = outcome.text
+        else:
+            events.append(TokenEvent(seq.id, sampled.token, outcome.text, sampled.logprob, sampled.top_logprobs))
+        if outcome.finish_reason is None:
+            return False
+        self.policy.finish(seq, outcome.finish_reason)
+        events.append(self._final(seq, outcome.finish_reason, text=tail))
+        return True
+
+    def _fail(self, seq: Sequence, error: str) -> FinalEvent:
+        if seq in self.policy.running:
+            self.policy.finish(seq, "error")
+        return self._final(seq, "error", error=error)
+
+    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None) -> FinalEvent:
+        now = self._now
+        self.stats.end_to_end.add(now - seq.arrival)
+        self.stats.finished[reason] += 1
+        timings = Timings(
+            queue_s=None if seq.admitted_at is None else seq.admitted_at - seq.arrival,
+            ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
+            total_s=now - seq.arrival,
+        )
+        del self.seqs[seq.id]
+        return FinalEvent(seq.id, reason, Usage(len(seq.prompt_ids), seq.generated), seq.seed, text, error, timings, seq.draw_index)
