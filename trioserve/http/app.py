@@ -17,7 +17,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from trioserve.actors.connection import Connection
+from trioserve.http.connection import Connection
 from trioserve.config import ServerSettings, settings_from_env
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge

@@ -22,7 +22,7 @@ import attrs
 import trio
 from quart import Response
 
-from trioserve.actors.connection import Connection
+from trioserve.http.connection import Connection
 from trioserve.http import openai
 from trioserve.errors import RequestError
 from trioserve.http.errors import HTTPError, error_response, json_response
