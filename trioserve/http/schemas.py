@@ -45,11 +45,10 @@ from cattrs.gen import make_dict_structure_fn, override
 from trioserve.errors import RequestError
 from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE
-from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
+from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, RANGES, Range, SamplingParams, fold_seed
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
-MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries in logit_bias (the sampler walks them every step)
 MAX_TOOLS = 128  # as OpenAI allows
 MAX_CONSTRAINT_CHARS = 65536  # a regex, a grammar, all guided choices, or one JSON schema as compact JSON
@@ -223,16 +222,19 @@ def _field(default: object = attrs.NOTHING, *, check: Check | None = None, parse
     return attrs.field(default=default, metadata=metadata)
 
 
-def _between(lo: float, hi: float, *, lo_open: bool = False) -> Check:
-    # Only comparisons that hold let a value through, so NaN is refused too.
+def _within(allowed: Range) -> Check:
+    # Range.holds lets a value through only when its comparisons hold, so NaN is refused too.
     def check(value: float) -> None:
-        if (value > lo if lo_open else value >= lo) and value <= hi:
-            return
-        if lo_open:
-            raise _Invalid(f"must be greater than {lo:g} and at most {hi:g}, got {_num(value)}")
-        raise _Invalid(f"must be between {lo:g} and {hi:g}, got {_num(value)}")
+        if not allowed.holds(value):
+            raise _Invalid(f"must be {allowed.describe()}, got {_num(value)}")
 
     return check
+
+
+def _sampling_range(name: str) -> Check:
+    """The check of sampling field ``name``: its range in `trioserve.types.RANGES`,
+    the one the engine's `SamplingParams.validate` applies too."""
+    return _within(RANGES[name])
 
 
 def _at_least_one(value: int) -> None:
@@ -353,8 +355,8 @@ def _parse_logit_bias(value: object, _: cattrs.Converter) -> dict[int, float] | 
             raise _Invalid(f"token {token} appears more than once")
         if not isinstance(bias, int | float) or isinstance(bias, bool):
             raise _Invalid(f"the bias for token {token} must be a number, got {_got(bias)}")
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise _Invalid(f"the bias for token {token} must be between -100 and 100, got {_num(bias)}")
+        if not RANGES["logit_bias"].holds(bias):
+            raise _Invalid(f"the bias for token {token} must be {RANGES['logit_bias'].describe()}, got {_num(bias)}")
         biases[token] = float(bias)
     return biases
 
@@ -544,19 +546,19 @@ class ChatCompletionRequest:
     stream_options: StreamOptions | None = None
     max_tokens: int | None = _field(None, check=_at_least_one)
     max_completion_tokens: int | None = _field(None, check=_at_least_one)  # wins over max_tokens
-    temperature: float | None = _field(None, check=_between(0, 2))
-    top_p: float | None = _field(None, check=_between(0, 1, lo_open=True))
+    temperature: float | None = _field(None, check=_sampling_range("temperature"))
+    top_p: float | None = _field(None, check=_sampling_range("top_p"))
     top_k: int | None = _field(None, check=_top_k)  # -1 and 0 mean off
-    min_p: float | None = _field(None, check=_between(0, 1))
-    presence_penalty: float | None = _field(None, check=_between(-2, 2))
-    frequency_penalty: float | None = _field(None, check=_between(-2, 2))
-    repetition_penalty: float | None = _field(None, check=_between(0, 2, lo_open=True))
+    min_p: float | None = _field(None, check=_sampling_range("min_p"))
+    presence_penalty: float | None = _field(None, check=_sampling_range("presence_penalty"))
+    frequency_penalty: float | None = _field(None, check=_sampling_range("frequency_penalty"))
+    repetition_penalty: float | None = _field(None, check=_sampling_range("repetition_penalty"))
     stop: str | tuple[str, ...] | None = _field(None, parse=_parse_stop)
     seed: int | None = None  # any integer, as OpenAI allows; sampling_params folds it into [0, 2**63)
-    n: int = _field(1, check=_between(1, MAX_N))
+    n: int = _field(1, check=_within(Range(1, MAX_N)))
     logit_bias: dict[int, float] | None = _field(None, parse=_parse_logit_bias)
     logprobs: bool = False
-    top_logprobs: int | None = _field(None, check=_between(0, MAX_TOP_LOGPROBS))  # needs logprobs
+    top_logprobs: int | None = _field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # needs logprobs
     user: str | None = None
     ignore_eos: bool = False  # an extension (vLLM has it)
     tools: tuple[Tool, ...] | None = _field(None, check=_tool_count)
@@ -577,16 +579,16 @@ class CompletionRequest:
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = _field(None, check=_at_least_one)
-    temperature: float | None = _field(None, check=_between(0, 2))
-    top_p: float | None = _field(None, check=_between(0, 1, lo_open=True))
+    temperature: float | None = _field(None, check=_sampling_range("temperature"))
+    top_p: float | None = _field(None, check=_sampling_range("top_p"))
     top_k: int | None = _field(None, check=_top_k)
-    min_p: float | None = _field(None, check=_between(0, 1))
-    presence_penalty: float | None = _field(None, check=_between(-2, 2))
-    frequency_penalty: float | None = _field(None, check=_between(-2, 2))
-    repetition_penalty: float | None = _field(None, check=_between(0, 2, lo_open=True))
+    min_p: float | None = _field(None, check=_sampling_range("min_p"))
+    presence_penalty: float | None = _field(None, check=_sampling_range("presence_penalty"))
+    frequency_penalty: float | None = _field(None, check=_sampling_range("frequency_penalty"))
+    repetition_penalty: float | None = _field(None, check=_sampling_range("repetition_penalty"))
     stop: str | tuple[str, ...] | None = _field(None, parse=_parse_stop)
     seed: int | None = None
-    n: int = _field(1, check=_between(1, MAX_N))
+    n: int = _field(1, check=_within(Range(1, MAX_N)))
     logit_bias: dict[int, float] | None = _field(None, parse=_parse_logit_bias)
     user: str | None = None
     ignore_eos: bool = False
@@ -823,10 +825,16 @@ def guide_spec(request: ChatCompletionRequest | CompletionRequest) -> GuideSpec 
 # --- onto the engine's sampling parameters
 
 
+# Request fields that become the SamplingParams field of the same name, as
+# sent; left out (null), they take SamplingParams' own default.
+_AS_SENT = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int) -> SamplingParams:
-    """The SamplingParams a parsed request asks for. Unset fields take the
-    engine's defaults; max_tokens defaults to ``default_max_tokens``. A seed
-    outside [0, 2**63) (OpenAI allows any integer) is taken modulo 2**63."""
+    """The SamplingParams a parsed request asks for. Unset fields take
+    SamplingParams' own defaults (the engine's); max_tokens defaults to
+    ``default_max_tokens``. A seed outside [0, 2**63) (OpenAI allows any
+    integer) is folded into it by `fold_seed`."""
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = request.logprobs
@@ -838,19 +846,18 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, defau
     stop = (request.stop,) if isinstance(request.stop, str) else (request.stop or ())
     if isinstance(request, ChatCompletionRequest) and _one_call_only(request):
         stop += (CALL_CLOSE,)
+    given: dict[str, Any] = {name: getattr(request, name) for name in _AS_SENT if getattr(request, name) is not None}
+    if request.top_k is not None:
+        given["top_k"] = max(request.top_k, 0)  # -1 and 0 both turn it off; SamplingParams' off is 0
+    if request.logit_bias is not None:
+        given["logit_bias"] = tuple(request.logit_bias.items())
+    if request.seed is not None:
+        given["seed"] = fold_seed(request.seed)
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_k=0 if request.top_k is None or request.top_k < 0 else request.top_k,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        min_p=0.0 if request.min_p is None else request.min_p,
-        presence_penalty=0.0 if request.presence_penalty is None else request.presence_penalty,
-        frequency_penalty=0.0 if request.frequency_penalty is None else request.frequency_penalty,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        logit_bias=tuple((request.logit_bias or {}).items()),
-        seed=None if request.seed is None else request.seed % SEED_LIMIT,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         stop=stop,
         ignore_eos=request.ignore_eos,
+        **given,
     )
