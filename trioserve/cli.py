@@ -5,11 +5,13 @@ line on stderr naming the file, exit 2, no traceback."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, parse_byte_size, parse_size_or_auto
+from trioserve.config import DTYPE_NAMES, EngineConfig, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
+from trioserve.types import RANGES
 
 
 
@@ -38,7 +40,24 @@ def _number_in(kind: type, low: float, high: float, what: str):
     return parse
 
 
-_temperature = _number_in(float, 0.0, 2.0, "a number between 0 and 2")
+def _sampling_number(name: str):
+    """An argparse type: a number within sampling field ``name``'s range,
+    the one the HTTP schemas and the engine apply (trioserve.types.RANGES)."""
+    allowed = RANGES[name]
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {allowed.describe()}, got {text!r}") from None
+        if not allowed.holds(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed.describe()}, got {value}")
+        return value
+
+    return parse
+
+
+_temperature = _sampling_number("temperature")
 _positive_float = _number_in(float, 1e-3, 1e9, "a number of seconds")
 _port = _number_in(int, 0, 65535, "a port number")
 
@@ -72,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
     srv.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, help="most KV memory the prefix cache keeps for idle blocks, e.g. 64MiB (default: as much as fits)")
     srv.add_argument("--prefix-cache-idle", type=_positive_float, default=None, help="seconds an unused cached block is kept (default: until room is needed)")
+    srv.add_argument("--record", metavar="DIR", default=os.environ.get("TRIOSERVE_RECORD") or None, help="write a trace of every engine input to a new file in DIR, for `trioserve replay` (default: $TRIOSERVE_RECORD, else off)")
     srv.add_argument("--reasoning-parser", choices=("auto", "on", "off"), default="auto", help="split <think>...</think> into reasoning_content (auto: when the tokenizer has <think> as one token)")
     srv.add_argument("--max-sessions", type=_positive_int, default=1024, help="sessions kept at once; idle ones beyond go least recently used first (default 1024)")
     srv.add_argument("--session-idle", type=_positive_float, default=3600.0, help="seconds an idle session is kept (default 3600)")
@@ -87,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--default-max-tokens", type=_positive_int, default=2048, help="max_tokens for requests that send none (default 2048)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    rep = commands.add_parser("replay", help="check a trace recorded with `serve --record`: exit 0 when identical, 1 at the first difference, 2 when unreadable")
+    rep.add_argument("trace", metavar="TRACE", help="one .jsonl trace file")
+    rep.add_argument("--model", action="store_true", help="also re-run every step on the real model and check its tokens and logprobs")
+    rep.add_argument("--checkpoint", metavar="PATH", default=None, help="where the recorded checkpoint is now (default: the path in the trace)")
+    rep.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads in --model mode (default: torch's choice)")
     return parser
 
 
@@ -111,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "replay":
+            return _replay(args)
     except (CheckpointError, ChatTemplateError, TrioserveError, ValueError) as exc:
         print(f"trioserve: error: {exc}", file=sys.stderr)
         return 2
@@ -120,43 +148,89 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def generate_engine_config(model: str, dtype: str) -> EngineConfig:
+    """The engine `trioserve generate` opens: the one `trioserve serve
+    --model MODEL --dtype DTYPE` opens (serve's other defaults are
+    EngineConfig's), so the same request gives the same text."""
+    return EngineConfig(model=model, dtype=dtype)
+
+
+def generate_request_body(args: argparse.Namespace) -> dict:
+    """`trioserve generate`'s request as a chat completions body: the reply
+    to --system/--prompt, with the sampling settings the flags give."""
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    return {"messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+
+
 def _generate(args: argparse.Namespace) -> int:
+    """One chat request through the engine, as the server's chat route runs
+    it: the body parsed and mapped to SamplingParams by the HTTP schemas,
+    the prompt rendered and tokenized by the route's function. The reply's
+    text is printed as it streams."""
     import torch
+    import trio
 
     from trioserve.engine import resolve_dtype
-    from trioserve.models.chat_template import ChatTemplate
+    from trioserve.http.schemas import parse_chat_request, sampling_params
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.generate import generate
-    from trioserve.models.llama import LlamaModel
     from trioserve.progress import ProgressBar
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype)  # auto = bfloat16: ~2x faster than float32 here (bench/README.md)
+    request = parse_chat_request(generate_request_body(args))
+    params = sampling_params(request, default_max_tokens=args.max_tokens)
+    config = generate_engine_config(args.model, args.dtype)
+    dtype = resolve_dtype(config.dtype)  # auto = bfloat16: ~2x faster than float32 here (bench/README.md)
     progress = ProgressBar("Loading weights")
-    checkpoint = load_checkpoint(args.model, dtype=dtype, progress=progress)
-    model = LlamaModel.from_checkpoint(checkpoint)
-    progress.finish(f" ({checkpoint.path}, {dtype})")
-    tok = checkpoint.tokenizer
-    template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
-    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
-        {"role": "user", "content": args.prompt}
-    ]
-    prompt_ids = tok.encode(template.render(messages, add_generation_prompt=True))
-
-    def show(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    result = generate(
-        model, tok, prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, on_text=show
-    )
+    checkpoint = load_checkpoint(config.model, dtype=dtype, progress=progress)
+    try:
+        final = trio.run(_run_generation, config, checkpoint, request, params, lambda: progress.finish(f" ({checkpoint.path}, {dtype})"))
+    except BaseExceptionGroup as group:  # the engine's nursery wraps what its body raised
+        raise _sole_error(group) from None
     sys.stdout.write("\n")
     print(
-        f"[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated, finish: {result.finish_reason}]",
+        f"[{final.usage.prompt_tokens} prompt tokens, {final.usage.completion_tokens} generated, finish: {final.finish_reason}]",
         file=sys.stderr,
     )
     return 0
+
+
+async def _run_generation(config: EngineConfig, checkpoint, request, params, loaded):
+    from trioserve.engine import open_engine
+    from trioserve.http.tools import message_dict, render_prompt_ids
+    from trioserve.models.chat_template import ChatTemplate
+    from trioserve.types import FinalEvent, GenerateRequest
+
+    async with open_engine(config, checkpoint=checkpoint) as engine:
+        loaded()
+        tok = engine.tokenizer
+        template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        prompt_ids = render_prompt_ids(tok, template, map(message_dict, request.messages))
+        async for event in engine.generate(GenerateRequest(prompt_ids, params)):  # ends with its FinalEvent
+            if event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            final = event
+    assert isinstance(final, FinalEvent)
+    if final.finish_reason == "error":
+        raise TrioserveError(f"generation failed: {final.error}")
+    return final
+
+
+def _sole_error(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside ``group`` (nested groups included), or the
+    group itself when there are several."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else group
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -180,6 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache_max_blocks=args.prefix_cache_max_blocks,
         prefix_cache_max_bytes=args.prefix_cache_bytes,
         prefix_cache_idle_s=args.prefix_cache_idle,
+        record_dir=args.record,
     )
     settings = ServerSettings(
         engine=engine,
@@ -206,3 +281,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from trioserve.core.replay import main as replay_main
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return replay_main(args.trace, checkpoint=args.checkpoint, model=args.model)

@@ -36,7 +36,9 @@ class EngineConfig:
     blocks are evicted LRU when admission needs room, beyond
     prefix_cache_max_blocks or prefix_cache_max_bytes (whichever is
     fewer blocks), or after prefix_cache_idle_s without use. Blocks that
-    sessions keep pinned are outside these limits."""
+    sessions keep pinned are outside these limits.
+    record_dir: a directory where each run writes one trace file of every
+    input to the engine core, for `trioserve replay` (docs/replay.md)."""
 
     model: str = "smollm2"
     dtype: str = "auto"
@@ -54,6 +56,7 @@ class EngineConfig:
     prefix_cache_max_blocks: int | None = attrs.field(default=None, validator=_positive)
     prefix_cache_max_bytes: int | None = attrs.field(default=None, validator=_positive)
     prefix_cache_idle_s: float | None = attrs.field(default=None, validator=_positive)
+    record_dir: str | None = None  # write a trace of the run there (docs/replay.md)
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_budget <= self.max_num_seqs:
@@ -154,6 +157,7 @@ _ENV = {
     "TRIOSERVE_PREFIX_CACHE_MAX_BLOCKS": ("engine.prefix_cache_max_blocks", int),
     "TRIOSERVE_PREFIX_CACHE_BYTES": ("engine.prefix_cache_max_bytes", parse_byte_size),
     "TRIOSERVE_PREFIX_CACHE_IDLE": ("engine.prefix_cache_idle_s", float),
+    "TRIOSERVE_RECORD": ("engine.record_dir", str),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),

@@ -23,16 +23,15 @@ from trioserve.actors.sampler import run_sampler
 from trioserve.actors.scheduler import Scheduler, run_scheduler
 from trioserve.actors.worker import run_worker
 from trioserve.config import DTYPE_NAMES, EngineConfig
-from trioserve.core.engine_core import EngineCore, check_request
+from trioserve.core.engine_core import CoreSettings, check_request, new_core
+from trioserve.core.trace import Recording, TraceWriter, header, new_trace_path
 from trioserve.errors import EngineClosed, RequestError
-from trioserve.models.checkpoint import Checkpoint, Progress, load_checkpoint
+from trioserve.models.checkpoint import Checkpoint, Progress, checkpoint_digest, load_checkpoint
 from trioserve.models.guided import GuideCompiler
 from trioserve.models.llama import LlamaModel
 from trioserve.models.sampling import new_seed
 from trioserve.models.tokenizer import Tokenizer
-from trioserve.state.kv_pool import BlockPool, blocks_for_budget
-from trioserve.state.prefix_cache import PrefixCache
-from trioserve.state.scheduling import SchedulingPolicy
+from trioserve.state.kv_pool import blocks_for_budget
 from trioserve.state.stats import EngineStats
 from trioserve.types import Event, FinalEvent, GenerateRequest
 
@@ -179,24 +178,27 @@ async def open_engine(
             field="kv_cache_bytes",
         )
     cache = await trio.to_thread.run_sync(model.new_kv_cache, num_blocks, config.block_size)
-    pool = BlockPool(num_blocks, config.block_size)
-    prefixes = None
-    if config.prefix_cache:
-        prefixes = PrefixCache(pool, max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()), idle_s=config.prefix_cache_idle_s)
-    policy = SchedulingPolicy(
-        pool,
+    settings = CoreSettings(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_len,
         prefill_budget=config.prefill_budget,
         max_queue=config.max_queue,
-        retry_after=config.retry_after_s,
-        prefix_cache=prefixes,
+        retry_after_s=config.retry_after_s,
+        prefix_cache=config.prefix_cache,
+        prefix_cache_max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()) if config.prefix_cache else None,
+        prefix_cache_idle_s=config.prefix_cache_idle_s,
     )
+    core = new_core(settings, checkpoint.tokenizer)
+    writer = None
+    if config.record_dir is not None:
+        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings)
+        core = Recording(core, writer)
     worker_send, worker_recv = trio.open_memory_channel[StepRequest](1)
     sampler_send, sampler_recv = trio.open_memory_channel[SampleRequest](1)
     inbox_send, inbox_recv = trio.open_memory_channel[SchedulerMessage](config.channel_size)
     guides = GuideCompiler(checkpoint.tokenizer)
-    core = EngineCore(policy, checkpoint.tokenizer)
     scheduler = Scheduler(core, worker_send)
     async with trio.open_nursery() as nursery:
         await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides)
@@ -207,6 +209,21 @@ async def open_engine(
         finally:
             inbox_send.close()
             nursery.cancel_scope.cancel()
+    if writer is not None:
+        writer.close()
+
+
+def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings) -> TraceWriter:
+    """A new trace file in config.record_dir, its header written (blocking:
+    hashes the checkpoint)."""
+    head = header(
+        settings,
+        checkpoint_path=str(checkpoint.path),
+        digest=checkpoint_digest(checkpoint.path),
+        engine=attrs.asdict(config),
+        vocab_size=checkpoint.tokenizer.vocab_size,
+    )
+    return TraceWriter(new_trace_path(config.record_dir), head)
 
 
 def prefix_cache_blocks(config: EngineConfig, kv_bytes_per_token: int) -> int | None:

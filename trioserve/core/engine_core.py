@@ -23,6 +23,8 @@ import attrs
 from trioserve.errors import EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
 from trioserve.models.tokenizer import Tokenizer
+from trioserve.state.kv_pool import BlockPool
+from trioserve.state.prefix_cache import PrefixCache
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
 from trioserve.state.sequence import Sequence
 from trioserve.state.stats import EngineStats, StatsRecorder
@@ -64,6 +66,41 @@ def check_request(request: GenerateRequest, vocab_size: int) -> None:
         request.params.validate(vocab_size)
     except SamplingError as exc:
         raise RequestError(str(exc), field=exc.field) from exc
+
+
+@attrs.frozen
+class CoreSettings:
+    """Everything a core is built from besides the tokenizer: what a trace's
+    header records so that a replay builds the same core."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    prefill_budget: int
+    max_queue: int
+    retry_after_s: float = 1.0
+    prefix_cache: bool = True
+    prefix_cache_max_blocks: int | None = None
+    prefix_cache_idle_s: float | None = None
+
+
+def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
+    """A fresh core: an empty block pool, prefix cache and queue."""
+    pool = BlockPool(settings.num_blocks, settings.block_size)
+    prefixes = None
+    if settings.prefix_cache:
+        prefixes = PrefixCache(pool, max_blocks=settings.prefix_cache_max_blocks, idle_s=settings.prefix_cache_idle_s)
+    policy = SchedulingPolicy(
+        pool,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        prefill_budget=settings.prefill_budget,
+        max_queue=settings.max_queue,
+        retry_after=settings.retry_after_s,
+        prefix_cache=prefixes,
+    )
+    return EngineCore(policy, tokenizer)
 
 
 @attrs.define

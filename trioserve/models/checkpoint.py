@@ -4,6 +4,7 @@ dispatches to the GGUF or safetensors loader."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -120,3 +121,39 @@ def load_checkpoint(model: str | Path, *, dtype: torch.dtype = torch.float32, pr
     from trioserve.models.gguf_loader import load_gguf
 
     return load_gguf(path, dtype=dtype, progress=progress)
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """Only the tokenizer of a checkpoint (no weights are read): what a
+    replay without the model needs to detokenize."""
+    path = resolve_model_path(str(model))
+    if not path.exists():
+        raise CheckpointError(path, "no such file or directory")
+    if path.is_dir():
+        from trioserve.models.hf_loader import load_hf_tokenizer  # noqa: PLC0415 - loaders import this module
+
+        return load_hf_tokenizer(path)
+    from trioserve.models.gguf_loader import load_gguf_tokenizer  # noqa: PLC0415 - loaders import this module
+
+    return load_gguf_tokenizer(path)
+
+
+def checkpoint_files(model: str | Path) -> list[Path]:
+    """The files whose bytes make up a checkpoint, in a fixed order."""
+    path = resolve_model_path(str(model))
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".json", ".model")))
+    return [path]
+
+
+def checkpoint_digest(model: str | Path) -> str:
+    """The checkpoint's identity: "sha256:" and the SHA-256 of its files'
+    bytes (each file's name and size, then its bytes, in a fixed order).
+    Blocking (about a tenth of a second per 100 MB): call it from a thread."""
+    digest = hashlib.sha256()
+    for file in checkpoint_files(model):
+        digest.update(f"{file.name}\0{file.stat().st_size}\0".encode())
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()

@@ -96,10 +96,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
     shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
     check_complete(path, config, shapes, spelled=gguf_name)
-    try:
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    except TokenizerError as exc:
-        raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from exc
+    tokenizer = _tokenizer(meta, path)
 
     weights: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Parts] = {}
@@ -119,6 +116,18 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         if progress is not None:
             progress(done, len(tensors))
     return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=int4)
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes, without its tensors."""
+    return _tokenizer(metadata(open_reader(path), path), path)
+
+
+def _tokenizer(meta: dict, path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_gguf_metadata(meta)
+    except TokenizerError as exc:
+        raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from exc
 
 
 def tensor_array(t: gguf.ReaderTensor) -> np.ndarray:

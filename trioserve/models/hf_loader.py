@@ -53,12 +53,17 @@ def _open(file: Path):
         raise CheckpointError(file, f"truncated or corrupt safetensors file ({exc})") from exc
 
 
-def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
-    config = config_from_hf(_read_json(directory / "config.json"), directory / "config.json")
+def load_hf_tokenizer(directory: Path) -> Tokenizer:
+    """The tokenizer of a Hugging Face directory, without its weights."""
     try:
-        tokenizer = Tokenizer.from_hf_dir(directory)
+        return Tokenizer.from_hf_dir(directory)
     except TokenizerError as exc:
         raise CheckpointError(directory, f"bad tokenizer: {exc}") from exc
+
+
+def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
+    config = config_from_hf(_read_json(directory / "config.json"), directory / "config.json")
+    tokenizer = load_hf_tokenizer(directory)
     owner = _shards(directory)
     shapes = {}
     for file in sorted(set(owner.values())):

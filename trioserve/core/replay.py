@@ -1,0 +1,285 @@
+"""`trioserve replay TRACE`: check a recorded run (core/trace.py).
+
+Fast mode (the default) feeds the recorded inputs and step results into a
+fresh EngineCore, built from the settings in the trace's header with the
+checkpoint's tokenizer, and checks that every output -- refusals, token
+events, final events, step plans -- is byte-identical to the recording.
+It reads no weights.
+
+Model mode (``--model``) also re-runs every planned step on the real model
+with the recorded engine settings, samples it as the server does, and
+checks that each step gives the recorded tokens, draws and logprobs.
+
+Exit status: 0 when everything is identical; 1 at the first difference,
+after printing the request, the step, and the expected and actual output;
+2 when the trace cannot be replayed (unreadable, truncated or corrupt line,
+another trace version or trioserve version, another checkpoint), with one
+line naming the line of the file."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+
+from trioserve.core.engine_core import CoreMisuse, CoreSettings, EngineCore, new_core
+from trioserve.core.trace import (
+    TraceError,
+    dumps,
+    events_json,
+    plan_json,
+    read_trace,
+    refusal_json,
+    request_from_json,
+    result_from_json,
+    result_json,
+)
+from trioserve.errors import CheckpointError, TrioserveError
+from trioserve.types import StepPlan, StepResult
+
+
+@attrs.frozen
+class Difference:
+    """The first place a replay disagrees with the recording."""
+
+    line: int
+    step: int | None
+    request_id: str | None
+    what: str  # "output" (the core's) or "step result" (the model's)
+    expected: Any
+    actual: Any
+
+    def report(self) -> str:
+        where = [f"line {self.line}"]
+        if self.step is not None:
+            where.append(f"step {self.step}")
+        if self.request_id is not None:
+            where.append(f"request {self.request_id}")
+        return (
+            f"DIFFERENT {self.what} at {', '.join(where)}\n"
+            f"  expected: {dumps(self.expected)}\n"
+            f"  actual:   {dumps(self.actual)}"
+        )
+
+
+@attrs.define
+class Summary:
+    lines: int = 0
+    submits: int = 0
+    steps: int = 0
+    tokens: int = 0
+    finals: int = 0
+    model_steps: int = 0  # steps re-run on the model
+    difference: Difference | None = None
+
+    def report(self, mode: str) -> str:
+        checked = f"{self.steps} steps" + (f" ({self.model_steps} re-run on the model)" if mode == "model" else "")
+        return f"{self.lines} records, {self.submits} requests, {checked}, {self.tokens} tokens, {self.finals} finished"
+
+
+StepRunner = Callable[[StepPlan], StepResult]
+
+
+def replay_trace(
+    path: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    model: bool = False,
+    runner_factory: Callable[[dict, Any], StepRunner] | None = None,
+) -> Summary:
+    """Replay ``path``; the summary's ``difference`` is the first found.
+    ``checkpoint`` overrides where the recorded checkpoint is found. Raises
+    TraceError when the trace cannot be replayed."""
+    head, records = read_trace(path)
+    source = checkpoint if checkpoint is not None else head.get("checkpoint", {}).get("path")
+    tokenizer, compiler = _load_tokenizer(path, head, source)
+    try:
+        settings = CoreSettings(**head["core"])
+    except (KeyError, TypeError) as exc:
+        raise TraceError(path, 1, f"the header's core settings are unusable: {exc}") from None
+    core = new_core(settings, tokenizer)
+    runner = None
+    if model:
+        runner = (runner_factory or model_runner)(head, source)
+    summary = Summary()
+    pending: dict[int, StepResult] = {}  # step -> what the model gave, until its recorded result line
+    for number, record in records:
+        summary.lines += 1
+        try:
+            difference = _feed(core, record, number, compiler, summary, runner, pending)
+        except TraceError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, CoreMisuse, TrioserveError) as exc:
+            raise TraceError(path, number, f"corrupt record: {type(exc).__name__}: {exc}") from None
+        if difference is not None:
+            summary.difference = difference
+            return summary
+    return summary
+
+
+def _feed(core: EngineCore, record: dict, line: int, compile_guide, summary: Summary, runner, pending) -> Difference | None:
+    kind = record["in"]
+    now = float(record["now"])
+    if kind == "submit":
+        summary.submits += 1
+        refusal = core.submit(record["id"], request_from_json(record["request"], compile_guide), now)
+        return _compare(line, None, record["id"], record["out"], refusal_json(refusal))
+    if kind == "cancel":
+        core.cancel(record["id"], now)
+        return None
+    if kind == "settle":
+        core.settle(record["owner"], record["order"], record["id"], now)
+        return None
+    if kind == "plan":
+        events, plan = core.plan(now)
+        actual = {"events": events_json(events), "plan": plan_json(plan)}
+        step = plan.number if plan is not None else None
+        _count(summary, actual["events"])
+        if plan is not None and runner is not None:
+            pending[plan.number] = runner(plan)
+            summary.model_steps += 1
+        return _compare(line, step, None, record["out"], actual)
+    if kind == "result":
+        recorded = result_from_json(record["result"])
+        if recorded.step in pending:
+            ran = pending.pop(recorded.step)
+            if ran != recorded:
+                return _result_difference(line, core, recorded, ran)
+        summary.steps += 1
+        events = core.result(recorded, now)
+        actual = {"events": events_json(events)}
+        _count(summary, actual["events"])
+        return _compare(line, recorded.step, None, record["out"], actual)
+    if kind == "die":
+        events = core.die(record["cause"], now)
+        return _compare(line, None, None, record["out"], {"events": events_json(events)})
+    raise ValueError(f"unknown input {kind!r}")
+
+
+def _count(summary: Summary, events: list[dict]) -> None:
+    for e in events:
+        if "token" in e:
+            summary.tokens += 1
+        else:
+            summary.finals += 1
+
+
+def _compare(line: int, step: int | None, request_id: str | None, expected: Any, actual: Any) -> Difference | None:
+    if dumps(expected) == dumps(actual):
+        return None
+    # Narrow a list of events down to the first one that differs.
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        exp_events, act_events = expected.get("events"), actual.get("events")
+        if isinstance(exp_events, list) and isinstance(act_events, list) and dumps(exp_events) != dumps(act_events):
+            for i in range(max(len(exp_events), len(act_events))):
+                e = exp_events[i] if i < len(exp_events) else None
+                a = act_events[i] if i < len(act_events) else None
+                if dumps(e) != dumps(a):
+                    rid = _request_of(e) or _request_of(a) or request_id
+                    return Difference(line, step, rid, "output", e, a)
+        if dumps(expected.get("plan")) != dumps(actual.get("plan")):
+            return Difference(line, step, request_id, "plan", expected.get("plan"), actual.get("plan"))
+    return Difference(line, step, request_id, "output", expected, actual)
+
+
+def _request_of(event: Any) -> str | None:
+    if isinstance(event, dict):
+        return event.get("token") or event.get("final")
+    return None
+
+
+def _result_difference(line: int, core: EngineCore, recorded: StepResult, ran: StepResult) -> Difference:
+    """Where the model's result for a step departs from the recorded one."""
+    plan = core.in_flight
+    rows = plan.sampling if plan is not None else ()
+    exp, act = result_json(recorded), result_json(ran)
+    exp_rows, act_rows = exp.get("sampled", []), act.get("sampled", [])
+    for i, row in enumerate(rows):
+        e = exp_rows[i] if i < len(exp_rows) else None
+        a = act_rows[i] if i < len(act_rows) else None
+        if dumps(e) != dumps(a):
+            return Difference(line, recorded.step, row.request_id, "step result", _token_view(e), _token_view(a))
+    return Difference(line, recorded.step, None, "step result", exp, act)
+
+
+def _token_view(row: Any) -> Any:
+    """[[token, draws, logprob, top]] as readable dicts."""
+    if not isinstance(row, list):
+        return row
+    return [{"token": t, "draws": d, "logprob": lp, "top": top} for t, d, lp, top in row]
+
+
+def _load_tokenizer(path, head: dict, source):
+    """The recorded checkpoint's tokenizer and a guide compiler over it,
+    after checking that the checkpoint is the one the trace names."""
+    from trioserve.models.checkpoint import checkpoint_digest, load_tokenizer  # noqa: PLC0415 - heavy imports, only here
+    from trioserve.models.guided import GuideCompiler, GuideSpec  # noqa: PLC0415
+
+    recorded = head.get("checkpoint", {}).get("digest")
+    if not source:
+        raise TraceError(path, 1, "the header names no checkpoint")
+    try:
+        digest = checkpoint_digest(source)
+    except (OSError, CheckpointError) as exc:
+        raise TraceError(path, 1, f"the recorded checkpoint cannot be read ({exc}); pass --checkpoint PATH") from None
+    if digest != recorded:
+        raise TraceError(path, 1, f"recorded with checkpoint {recorded}, but {source} is {digest}")
+    try:
+        tokenizer = load_tokenizer(source)
+    except CheckpointError as exc:
+        raise TraceError(path, 1, str(exc)) from None
+    if tokenizer.vocab_size != head.get("vocab_size"):
+        raise TraceError(path, 1, f"the trace's vocabulary has {head.get('vocab_size')} tokens, the checkpoint's {tokenizer.vocab_size}")
+    compiler = GuideCompiler(tokenizer)
+
+    def compile_guide(data: dict):
+        spec = data["spec"]
+        return compiler.guides(GuideSpec(data["kind"], tuple(spec) if isinstance(spec, list) else spec, data["field"]), 1)[0]
+
+    return tokenizer, compile_guide
+
+
+def model_runner(head: dict, source) -> StepRunner:
+    """Runs planned steps as the server's worker and sampler do, with the
+    recorded engine settings (dtype, 4-bit weights, device, block size)."""
+    from trioserve.actors.sampler import sample_step  # noqa: PLC0415 - heavy imports, only in model mode
+    from trioserve.actors.worker import forward_step  # noqa: PLC0415
+    from trioserve.engine import resolve_dtype  # noqa: PLC0415
+    from trioserve.models.checkpoint import load_checkpoint  # noqa: PLC0415
+    from trioserve.models.guided import GuideCompiler  # noqa: PLC0415
+    from trioserve.models.llama import LlamaModel  # noqa: PLC0415
+
+    engine, core = head["engine"], head["core"]
+    checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"]))
+    model = LlamaModel.from_checkpoint(checkpoint, use_int4=engine["use_int4"], device=engine["device"])
+    cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
+    guides = GuideCompiler(checkpoint.tokenizer)
+    vocab = checkpoint.tokenizer.vocab_size
+
+    def run(plan: StepPlan) -> StepResult:
+        out = forward_step(model, cache, core["block_size"], plan)
+        if isinstance(out, StepResult):
+            return out
+        if not plan.sampling:
+            return StepResult(plan.number)
+        return sample_step(plan, out, vocab, guides)
+
+    return run
+
+
+def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    mode = "model" if model else "fast"
+    try:
+        summary = replay_trace(trace, checkpoint=checkpoint, model=model)
+    except TraceError as exc:
+        print(f"trioserve replay: error: {exc}", file=err)
+        return 2
+    if summary.difference is not None:
+        print(summary.difference.report(), file=out)
+        print(f"replay ({mode}): stopped at the first difference after {summary.report(mode)}", file=out)
+        return 1
+    print(f"replay ({mode}): identical: {summary.report(mode)}", file=out)
+    return 0
