@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+from pathlib import Path
 from collections.abc import AsyncIterator
 
 import attrs
@@ -57,6 +58,7 @@ class Engine:
         self._scheduler = scheduler
         self._inbox = inbox
         self.guides = guides  # compiles output constraints (guided decoding)
+        self.trace_path: Path | None = None  # the trace being written (config.record_dir), if any
 
     def statistics(self) -> EngineStats:
         """The latest frozen snapshot the scheduler published."""
@@ -204,8 +206,10 @@ async def open_engine(
         await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides)
         await nursery.start(run_worker, model, cache, worker_recv, sampler_send)
         await nursery.start(run_scheduler, scheduler, inbox_recv)
+        engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
+        engine.trace_path = None if writer is None else writer.path
         try:
-            yield Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
+            yield engine
         finally:
             inbox_send.close()
             nursery.cancel_scope.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import trio
 from quart import Response, request
@@ -75,6 +76,8 @@ async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
             mode = state.settings.reasoning_parser
             state.reasoning = mode == "on" or (mode == "auto" and len(tok.encode(THINK_OPEN, add_bos=False)) == 1)
             state.engine = engine
+            if engine.trace_path is not None:
+                print(f"trioserve: recording engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
             state.phase = "ok"
             task_status.started()
             await trio.sleep_forever()
