@@ -27,7 +27,7 @@ from trioserve.state import prefix_cache as prefix_cache_module
 from trioserve.state.kv_pool import BlockPool, blocks_needed
 from trioserve.state.prefix_cache import ROOT, PrefixCache, PrefixStats, block_key
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
-from trioserve.state.sequence import Sequence, Status
+from trioserve.state.sequence import Sequence
 from trioserve.state.stops import StopMatcher
 
 BS = 4
@@ -427,7 +427,7 @@ def step(p: SchedulingPolicy, rows: list[PlannedRow], token: int = 100) -> None:
 
 
 def run_to_end(p: SchedulingPolicy, seq: Sequence) -> None:
-    while seq.status is Status.RUNNING:
+    while seq in p.running:
         step(p, p.plan())
 
 
@@ -514,7 +514,7 @@ def test_a_sequence_that_does_not_fit_lets_go_of_the_blocks_it_adopted(make):
     big = make("big", A + B + C + [9], 12)  # 28 tokens = 7 blocks, 3 shared: needs 4 free
     p.enqueue(big)
     assert p.admit(2.0) == []
-    assert list(p.waiting) == [big] and big.status is Status.WAITING
+    assert list(p.waiting) == [big] and big in p.waiting
     assert p.pool.table("big") == []
     assert [p.pool.refcount(b) for b in shared] == refs_before
     assert cached_blocks(p.cache) == set(shared)  # adopted, so never evicted for itself
@@ -651,7 +651,7 @@ def test_finish_remembers_prompt_and_computed_output_tokens(make):
     p.enqueue(seq)
     p.admit(0.0)
     tokens = [101, 102, 103, 104, 105, 106]
-    while seq.status is Status.RUNNING:
+    while seq in p.running:
         step(p, p.plan(), token=tokens[len(seq.output_ids)])
     # 6 prompt tokens + 5 computed outputs (the last sampled one never is) = 11: 2 full blocks
     assert seq.num_cached == 11

@@ -12,7 +12,7 @@ from trioserve.types import SamplingParams
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
-from trioserve.state.sequence import Sequence, Status
+from trioserve.state.sequence import Sequence
 from trioserve.state.stops import StopMatcher
 
 BS = 4
@@ -80,14 +80,14 @@ def test_admission_reserves_blocks_for_prompt_plus_max_tokens(make, prompt_len, 
     p = policy(blocks=10)
     seq = make("a", prompt_len, max_tokens)
     p.enqueue(seq)
-    assert seq.status is Status.WAITING and free(p) == 10
+    assert seq in p.waiting and free(p) == 10
     assert p.admit(now=2.5) == [seq]
     assert len(p.block_table(seq)) == blocks
     assert free(p) == 10 - blocks
-    assert seq.status is Status.RUNNING and seq.admitted_at == 2.5
+    assert seq in p.running and seq.admitted_at == 2.5
     assert list(p.waiting) == [] and p.running == [seq]
     # Nothing more is taken while it runs to its end: the reservation holds.
-    while seq.status is Status.RUNNING:
+    while seq in p.running:
         rows = p.plan()
         assert len(rows) == 1 and len(p.block_table(seq)) == blocks
         step(p, rows)
@@ -103,7 +103,7 @@ def test_admission_is_oldest_first_and_never_overtakes(make):
     # b does not fit the 4 free blocks; c would, but may not pass b.
     assert free(p) == 4
     assert p.admit(0.0) == []
-    assert list(p.waiting) == [b, c] and c.status is Status.WAITING
+    assert list(p.waiting) == [b, c] and c in p.waiting
     p.finish(a, "stop")
     assert p.admit(1.0) == [b, c]
     assert free(p) == 2 and p.running == [b, c]
@@ -223,7 +223,7 @@ def test_drop_cancelled_frees_blocks_of_running_and_forgets_waiting(make):
     dropped = p.drop_cancelled()
     assert set(dropped) == {a, c} and len(dropped) == 2
     for seq in dropped:
-        assert seq.status is Status.FINISHED and seq.finish_reason == "cancelled"
+        assert seq not in p.waiting and seq not in p.running and seq.finish_reason == "cancelled"
     assert p.running == [b] and list(p.waiting) == [d]
     assert free(p) == 9 and p.block_table(a) == []
     assert len(p.block_table(b)) == 3
@@ -250,7 +250,6 @@ def test_fail_all_takes_out_everyone(make):
     assert set(p.fail_all()) == {a, b}
     assert p.running == [] and list(p.waiting) == [] and free(p) == 12
     assert a.finish_reason == b.finish_reason == "error"
-    assert a.status is b.status is Status.FINISHED
 
 
 # -- refusals -------------------------------------------------------------------------------

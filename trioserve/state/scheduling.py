@@ -26,7 +26,7 @@ import attrs
 from trioserve.errors import QueueFull, RequestTooLarge
 from trioserve.state.kv_pool import BlockPool, blocks_needed
 from trioserve.state.prefix_cache import PrefixCache, held_key
-from trioserve.state.sequence import Sequence, Status
+from trioserve.state.sequence import Sequence
 
 
 @attrs.frozen
@@ -118,7 +118,6 @@ class SchedulingPolicy:
         self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(len(self.waiting), self.retry_after)
-        seq.status = Status.WAITING
         self.waiting.append(seq)
 
     # -- each iteration --------------------------------------------------
@@ -130,7 +129,6 @@ class SchedulingPolicy:
             for seq in [s for s in self.running if s.cancelled]:
                 self.finish(seq, "cancelled")
             for seq in dropped:
-                seq.status = Status.FINISHED
                 seq.finish_reason = "cancelled"
         return dropped
 
@@ -143,7 +141,6 @@ class SchedulingPolicy:
             if not self._reserve(seq, now):
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
             seq.admitted_at = now
             self.running.append(seq)
             admitted.append(seq)
@@ -209,7 +206,6 @@ class SchedulingPolicy:
         self.pool.free_sequence(seq.id)
         if self.cache is not None:
             self.cache.trim(self.clock())  # its blocks are idle now, so the limits can take them
-        seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     def fail_all(self) -> list[Sequence]:
@@ -219,7 +215,6 @@ class SchedulingPolicy:
             self.finish(seq, "error", remember=False)  # the cache contents are suspect now
         self.waiting.clear()
         for seq in everyone:
-            seq.status = Status.FINISHED
             seq.finish_reason = "error"
         if self.cache is not None:
             self.cache.trim(self.clock())  # the limits apply even when nothing was running

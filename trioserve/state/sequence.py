@@ -4,7 +4,6 @@ Python; owned by the scheduler alone."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -15,12 +14,6 @@ from trioserve.types import Guide, SamplingParams
 
 if TYPE_CHECKING:
     from trioserve.models.detokenizer import IncrementalDetokenizer
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @attrs.frozen
@@ -42,7 +35,6 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher
     arrival: float
-    status: Status = Status.WAITING
     output_ids: list[int] = attrs.field(factory=list)
     generated: int = 0  # tokens sampled, the one that ended the output included
     num_cached: int = 0  # tokens of prompt + output already in the KV cache
