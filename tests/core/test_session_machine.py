@@ -1,28 +1,35 @@
-"""Sessions and the KV they keep, driven at random with no trio running:
-a SessionStore whose removals become "forget" orders, a SchedulingPolicy
-over a PrefixCache and a small BlockPool, and the scheduler's register of
-retention orders (a real `Scheduler`'s `retention`, written by its `settle`
-and checked against a model after every order: "commit"/"cancel" keyed by
-(owner, request id), "forget" by (owner, None), insertion-ordered), applied
-in order by `SchedulingPolicy.settle` at the top of every scheduler
-iteration before cancelled sequences are dropped and admission runs, as
-`Scheduler.steps` does. The connection's side follows
-`trioserve/http/sessions.py`: begin, submit with retain=<session id>, then
-commit (store, then a "commit" order naming the request) or cancel (store,
-then a "cancel" order naming it when the store returned True).
+"""Sessions and the KV they keep, driven at random with no trio running,
+through the EngineCore: a SessionStore whose removals become "forget"
+orders, and an EngineCore over a SchedulingPolicy, a PrefixCache and a small
+BlockPool, driven as the scheduler actor drives it. Submissions go through
+`core.submit`, abandonment through `core.cancel`, owners' orders about
+retained KV through `core.settle` (its register, `core.retention`, is
+checked against a model after every order: "commit"/"cancel" keyed by
+(owner, request id), "forget" by (owner, None), insertion-ordered), and each
+scheduler iteration is `core.plan` -- the orders apply in order, then
+cancelled requests end, then admission runs, then the next step is planned
+-- followed, when there is a step, by `core.result` with one sampled token
+per sampling row. How each turn ended ("stop", "length", "cancelled") is
+read from the final events the core returns, its output from its token
+events. The connection's side follows `trioserve/http/sessions.py`: begin,
+submit with retain=<session id>, then commit (store, then a "commit" order
+naming the request) or cancel (store, then a "cancel" order naming it when
+the store returned True).
 
 After every step the store's accounting must match a model of its sessions
 (LRU order, busy, eviction by idle time, count and history bytes, the
 counters), every pool block's reference count must be exactly the running
 sequences that hold it, the cache's own reference and one per owner pinning
 it, the pins, `policy.held` and each queued sequence's `retain` must match a
-model of what finishing and each order do; unless a "forget" is pending for
+model of what finishing and each order do (checked too as admission starts,
+right after the core applied the orders); unless a "forget" is pending for
 it, nothing is pinned, held or retained for a session that is gone; a
 session's own pins are a prefix of its committed tokens; and `policy.held`
 names a request for a session only while that request is the session's
-finished turn waiting to be settled, or an order about it is pending.
-Teardown ends everything and forgets every session: the pool must then be
-all free.
+finished turn waiting to be settled, or an order about it is pending. The
+core's requests are exactly the queued sequences, and between rules no step
+is in flight. Teardown ends everything and forgets every session: the pool
+must then be all free.
 
 Rules: create; begin a turn (the scheduler then idle, or busy with a step so
 that orders and the submission wait); a whole turn in one rule; commit or
@@ -38,7 +45,9 @@ most of the pool; scheduler iterations."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
@@ -55,15 +64,23 @@ from hypothesis.stateful import (
 
 from trioserve.core.engine_core import EngineCore
 from trioserve.errors import RequestTooLarge
-from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.types import SamplingParams
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.prefix_cache import ROOT, PrefixCache, block_key, held_key
 from trioserve.state.scheduling import SchedulingPolicy
 from trioserve.state.sequence import Sequence
 from trioserve.state.session_store import Session, SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn, TurnLease
-from trioserve.state.stops import StopMatcher
+from trioserve.types import (
+    Event,
+    FinalEvent,
+    GenerateRequest,
+    Sampled,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenEvent,
+    Usage,
+)
 
 BS = 2  # tokens per block
 BLOCKS = 16
@@ -73,10 +90,11 @@ CACHE_IDLE_S = 4.0
 MAX_SESSIONS = 3
 SESSION_IDLE_S = 10.0
 HISTORY_BYTES = 16
-STEP_S = 0.1  # the clock moves this much per scheduler iteration
-STOP = 2  # the stop id every sequence has
+STEP_S = 0.1  # the clock moves this much per step
+STOP = 2  # the stop id every sequence has (and its only one)
 ALPHABET = [5, 6]  # new prompt tokens: small, so histories share blocks
 SAMPLED = [5, 6, 7, STOP]  # what a step samples (every sampling row the same)
+HOG_BASE = 8  # a hog's prompt tokens are at least this: it shares nothing with sessions
 
 
 @pytest.fixture(scope="module")
@@ -84,29 +102,52 @@ def tok(tiny_checkpoints) -> Tokenizer:
     return Tokenizer.from_hf_dir(tiny_checkpoints["hf"])
 
 
-def build_seq(tok: Tokenizer, sid: str, prompt: list[int], max_tokens: int, retain: str | None) -> Sequence:
-    return Sequence(
-        id=sid,
-        prompt_ids=list(prompt),
-        params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-        seed=0,
-        stop_ids=frozenset({STOP}),
-        detokenizer=IncrementalDetokenizer(tok),
-        stops=StopMatcher(()),
-        arrival=0.0,
-        retain=retain,
-    )
+def request(prompt: list[int], max_tokens: int, retain: str | None) -> GenerateRequest:
+    """Greedy, with STOP as the only stop id whatever the tokenizer's are."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, stop_token_ids=(STOP,), ignore_eos=True)
+    return GenerateRequest(prompt, params, retain=retain)
+
+
+class ProbedPolicy(SchedulingPolicy):
+    """The real policy with one look inside: `at_admission` runs as admission
+    starts, after the core applied the owners' orders and dropped the
+    cancelled requests, so the pins can be checked right there."""
+
+    at_admission: Callable[[], None] | None = None
+
+    def admit(self, now: float) -> list[Sequence]:
+        if self.at_admission is not None:
+            self.at_admission()
+        return super().admit(now)
+
+
+@attrs.frozen
+class Admission:
+    """The cache's pins (owner -> pinned tokens, least recently pinned
+    first), `policy.held` and the pin evictions so far, as admission starts."""
+
+    pins: dict[str, int]
+    held: dict[str, str]
+    evictions: int
 
 
 @attrs.define(eq=False)
 class Flight:
-    """A turn between begin and commit/cancel: its sequence, the new tokens
-    it brought, and how the sequence ended (None while it runs)."""
+    """A turn between begin and commit/cancel: its sequence (the core's), the
+    prompt it was submitted with and the new tokens it brought; once it has
+    ended, its final event and the tokens its token events carried."""
 
     seq: Sequence
+    prompt: list[int]
     new: list[int]
     lease: TurnLease  # the turn's identity in the store
-    reason: str | None = None
+    final: FinalEvent | None = None
+    streamed: list[int] = attrs.field(factory=list)
+
+    @property
+    def reason(self) -> str | None:
+        """How the turn ended, by its final event (None while it runs)."""
+        return None if self.final is None else self.final.finish_reason
 
 
 @attrs.define(eq=False)
@@ -133,27 +174,29 @@ class SessionMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.pool = BlockPool(BLOCKS, BS)
         self.cache = PrefixCache(self.pool, max_blocks=CACHE_MAX_BLOCKS, idle_s=CACHE_IDLE_S)
-        self.policy = SchedulingPolicy(
+        self.policy = ProbedPolicy(
             self.pool,
             max_num_seqs=3,
             max_model_len=MAX_LEN,
             prefill_budget=5,
             max_queue=100,
             prefix_cache=self.cache,
-            clock=lambda: self.now,
         )
+        self.policy.at_admission = self.at_admission
         self.store = SessionStore(
             max_sessions=MAX_SESSIONS,
             idle_s=SESSION_IDLE_S,
             max_history_bytes=HISTORY_BYTES,
             on_remove=self.on_remove,
         )
-        # The real register of orders (only `settle` and `retention` are used,
-        # with no trio running), and its model: (owner, request id) ->
-        # "commit" | "cancel", (owner, None) -> "forget", insertion-ordered.
-        self.scheduler = EngineCore(self.policy, tok)
-        self.policy.clock = lambda: self.now
+        # The core sees only the times it is given (every call passes
+        # self.now). Its register of orders is checked against a model:
+        # (owner, request id) -> "commit" | "cancel", (owner, None) ->
+        # "forget", insertion-ordered.
+        self.core = EngineCore(self.policy, tok)
         self.orders: dict[tuple[str, str | None], str] = {}
+        self.step: StepPlan | None = None  # the step in flight: the scheduler is busy
+        self.admission: Admission | None = None  # what the last admission started from
         self.removed: list[str] = []  # what on_remove was told, checked by each rule
         self.counter = 0
         # Model of the store.
@@ -168,7 +211,9 @@ class SessionMachine(RuleBasedStateMachine):
         self.held: dict[str, str] = {}  # model of policy.held: session -> request whose KV is held
         self.retains: dict[str, str] = {}  # request id -> session, for queued sequences that still retain
         self.owner_of: dict[str, str] = {}  # request id -> session, for every turn ever submitted
-        self.zombies: list[Sequence] = []  # cancelled, dropped at the next iteration
+        self.requests: dict[str, Sequence] = {}  # every request submitted that has not ended, by id
+        self.streamed: dict[str, list[int]] = {}  # the tokens each such request's token events carried
+        self.zombies: list[Sequence] = []  # cancelled in the core, ended at its next plan
         self.strays: list[Sequence] = []  # abandoned turns the scheduler has not noticed: they run on
         self.stateless: list[Sequence] = []
         self.spent: list[TurnLease] = []  # leases of turns that ended (committed or cancelled)
@@ -179,81 +224,142 @@ class SessionMachine(RuleBasedStateMachine):
         self.settle(sid, "forget")  # engine.forget_retained
 
     def settle(self, owner: str, order: str, request_id: str | None = None) -> None:
-        """Scheduler.settle (engine.settle_retained / forget_retained), and
-        its model: one entry per (owner, request id), "forget" per (owner,
+        """core.settle (engine.settle_retained / forget_retained), and its
+        model: one entry per (owner, request id), "forget" per (owner,
         None); setting an entry again keeps its place."""
         self.orders[(owner, None if order == "forget" else request_id)] = order
-        self.scheduler.settle(owner, order, request_id, self.now)
-        assert list(self.scheduler.retention.items()) == list(self.orders.items())
+        self.core.settle(owner, order, request_id, self.now)
+        assert list(self.core.retention.items()) == list(self.orders.items())
 
-    def iterate(self, token: int | None = None) -> None:
-        """One turn of Scheduler.steps: orders, cancelled, admission, a step."""
+    def submit(self, prompt: list[int], max_tokens: int, retain: str | None) -> Sequence | RequestTooLarge:
+        """core.submit under a fresh request id: the core's sequence, or its refusal."""
+        self.counter += 1
+        rid = f"r{self.counter}"
+        refusal = self.core.submit(rid, request(prompt, max_tokens, retain), self.now)
+        if refusal is not None:
+            assert isinstance(refusal, RequestTooLarge), refusal
+            assert rid not in self.core.seqs
+            return refusal
+        seq = self.core.seqs[rid]
+        assert (seq.prompt_ids, seq.retain, set(seq.stop_ids)) == (prompt, retain, {STOP})
+        self.requests[rid] = seq
+        self.streamed[rid] = []
+        return seq
+
+    # -- the scheduler's loop, through the core -------------------------------
+    def iterate(self, token: int) -> None:
+        """One turn of the scheduler's loop: `core.plan`, then the step (if
+        any) with every sampling row given ``token``."""
+        with self.busy(token):
+            pass
+
+    @contextlib.contextmanager
+    def busy(self, token: int) -> Iterator[None]:
+        """An iteration whose step runs while the body does: what the body
+        submits, cancels or orders waits for the next iteration, except that
+        the step's result may end a cancelled request before it is dropped."""
         self.top()
-        if token is not None and self.policy.running:
-            self.step(token)
-            self.now += STEP_S
+        yield
+        self.finish_step(token)
 
     def top(self) -> None:
-        """The top of an iteration, before its step."""
-        self.apply_orders()
-        self.drop_cancelled()
-        self.admit()
-
-    def apply_orders(self) -> None:
-        """Scheduler._apply_retention: every order in the register, in order."""
-        orders, self.scheduler.retention = self.scheduler.retention, {}
-        assert list(orders.items()) == list(self.orders.items())
-        self.orders = {}
+        """`core.plan`: every order in the register applies, in order; the
+        cancelled requests end (exactly the noticed ones, by their final
+        events); admission runs; the next step is planned and is in flight."""
+        assert self.step is None and self.core.in_flight is None
+        assert list(self.core.retention.items()) == list(self.orders.items())
+        orders, self.orders = self.orders, {}
         for (owner, request_id), order in orders.items():
-            self.policy.settle(owner, order, request_id)
             self.model_settle(owner, order, request_id)
-        if orders:
-            self.cache.trim(self.now)
+        zombies = sorted(s.id for s in self.zombies)
+        self.admission = None
+        events, plan = self.core.plan(self.now)
+        assert self.core.retention == {}
+        assert all(isinstance(e, FinalEvent) and e.finish_reason == "cancelled" for e in events), events
+        assert sorted(e.request_id for e in events) == zombies
+        self.publish(events)
+        assert not self.zombies
+        self.admitted()
+        assert (plan is None) == (not self.policy.running)
+        assert plan is self.core.in_flight
+        self.step = plan
 
-    def drop_cancelled(self) -> None:
-        dropped = self.policy.drop_cancelled()
-        assert sorted(s.id for s in dropped) == sorted(s.id for s in self.zombies)
-        assert all(s.finish_reason == "cancelled" for s in dropped)
-        for seq in dropped:
-            self.retains.pop(seq.id, None)
-        self.zombies.clear()
+    def at_admission(self) -> None:
+        """Admission starts (inside `core.plan`): the orders have applied, so
+        the pins and `policy.held` must be the model's right now."""
+        self.check_pins()
+        assert self.policy.held == self.held
+        pins = {owner: self.cache.pinned_tokens(owner) for owner in self.cache._pins}
+        self.admission = Admission(pins, dict(self.policy.held), self.cache.stats().pin_evictions)
 
-    def admit(self) -> None:
-        before = list(self.pins)
-        evictions = self.cache.stats().pin_evictions
-        self.policy.admit(self.now)
-        # Admission short of room may take whole owners' pins, least recently
-        # pinned first; nothing else about the pins changes.
+    def admitted(self) -> None:
+        """Admission short of room may take whole owners' pins, least
+        recently pinned first; nothing else about the pins changes."""
+        assert self.admission is not None, "the core planned without admitting"
+        before = list(self.admission.pins)
+        assert before == list(self.pins)
         after = self.cache._pins
         taken = [owner for owner in before if owner not in after]
         assert before[: len(taken)] == taken, "pins taken out of order"
         assert list(after) == before[len(taken) :]
-        assert self.cache.stats().pin_evictions - evictions == len(taken)
+        assert self.cache.stats().pin_evictions - self.admission.evictions == len(taken)
         for owner in taken:
             del self.pins[owner]
 
-    def step(self, token: int) -> None:
-        rows = self.policy.plan()
-        assert rows
-        self.policy.stepped(rows)
-        for row in rows:
-            if not row.samples:
-                continue
-            seq = row.seq
-            outcome = seq.commit(token, 0, self.now)
-            if outcome.finish_reason is None:
-                continue
-            assert outcome.finish_reason in ("stop", "length")
-            computed = seq.history()[: seq.num_cached]
-            owner = self.retains.pop(seq.id, None)
-            assert seq.retain == owner
-            self.policy.finish(seq, outcome.finish_reason)
-            if owner is not None:  # held until its owner settles it
-                self.model_pin(held_key(owner), computed)
-                self.held[owner] = seq.id
-            self.ended(seq, outcome.finish_reason)
+    def finish_step(self, token: int) -> None:
+        """`core.result` for the step in flight: every sampling row sampled
+        ``token``. A stop id ends every sampling row ("stop", no token
+        event); any other token is streamed, and ends only rows that reach
+        max_tokens ("length")."""
+        plan = self.step
+        if plan is None:
+            return
+        sampling = [row.request_id for row in plan.sampling]  # none when every row is a prompt chunk short of its end
+        result = StepResult(plan.number, sampled=tuple((Sampled(token, 0),) for _ in sampling))
+        events = self.core.result(result, self.now)
+        self.step = None
+        assert self.core.in_flight is None
+        streamed = [(e.request_id, e.token_id) for e in events if isinstance(e, TokenEvent)]
+        ended = [e for e in events if isinstance(e, FinalEvent)]
+        assert streamed == ([] if token == STOP else [(rid, token) for rid in sampling])
+        assert all(e.finish_reason == ("stop" if token == STOP else "length") for e in ended), ended
+        if token == STOP:
+            assert sorted(e.request_id for e in ended) == sorted(sampling)
+        self.publish(events)
+        self.now += STEP_S
 
-    def ended(self, seq: Sequence, reason: str) -> None:
+    def publish(self, events: list[Event]) -> None:
+        """What the core returned, as the requests' consumers see it."""
+        for event in events:
+            if isinstance(event, TokenEvent):
+                self.streamed[event.request_id].append(event.token_id)
+            else:
+                self.end(event)
+
+    def end(self, final: FinalEvent) -> None:
+        """A request's final event: how it ended decides what is held."""
+        seq = self.requests.pop(final.request_id)
+        streamed = self.streamed.pop(final.request_id)
+        assert streamed == seq.output_ids, "the token events are not the output"
+        assert final.usage == Usage(len(seq.prompt_ids), seq.generated)
+        assert (final.seed, final.draw_end, final.error) == (0, seq.draw_index, None)
+        if final.finish_reason == "cancelled":
+            assert seq in self.zombies, f"{seq.id} ended cancelled but was never cancelled"
+            self.zombies.remove(seq)
+            self.retains.pop(seq.id, None)
+            if seq in self.stateless:
+                self.stateless.remove(seq)
+            return
+        assert final.finish_reason in ("stop", "length"), final
+        computed = seq.history()[: seq.num_cached]
+        owner = self.retains.pop(seq.id, None)
+        assert seq.retain == owner
+        if owner is not None:  # held until its owner settles it
+            self.model_pin(held_key(owner), computed)
+            self.held[owner] = seq.id
+        self.ended(seq, final, streamed)
+
+    def ended(self, seq: Sequence, final: FinalEvent, streamed: list[int]) -> None:
         if seq in self.stateless:
             self.stateless.remove(seq)
             return
@@ -266,8 +372,9 @@ class SessionMachine(RuleBasedStateMachine):
                 assert self.policy.held.get(sid) != seq.id, "an abandoned turn holds KV after its order was applied"
             return
         flight = self.live[sid].flight
-        assert flight is not None and flight.seq is seq and flight.reason is None
-        flight.reason = reason
+        assert flight is not None and flight.seq is seq and flight.final is None
+        flight.final = final
+        flight.streamed = streamed
 
     # -- model of the pins --------------------------------------------------
     def model_pin(self, owner: str, tokens: list[int]) -> None:
@@ -354,9 +461,12 @@ class SessionMachine(RuleBasedStateMachine):
     def running_ids(self) -> list[str]:
         return [sid for sid, s in self.live.items() if s.flight is not None and s.flight.reason is None]
 
-    def new_seq(self, prompt: list[int], max_tokens: int, retain: str | None) -> Sequence:
-        self.counter += 1
-        return build_seq(self.tok, f"r{self.counter}", prompt, max_tokens, retain)
+
+    def queued(self) -> list[Sequence]:
+        """What the machine knows the core has: turns running, abandoned
+        turns, stateless requests."""
+        flights = [live.flight for live in self.live.values() if live.flight is not None]
+        return [f.seq for f in flights if f.reason is None] + self.strays + self.zombies + self.stateless
 
     # -- rules: the connection's side ---------------------------------------
     @initialize()
@@ -380,15 +490,23 @@ class SessionMachine(RuleBasedStateMachine):
         new=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=4),
         max_tokens=st.integers(1, 4),
         wake=st.booleans(),
+        token=st.sampled_from(SAMPLED),
     )
-    def begin(self, data, new, max_tokens, wake):
+    def begin(self, data, new, max_tokens, wake, token):
         """With ``wake`` the scheduler was idle and runs an iteration at once
-        (orders, admission); otherwise it is busy with a step, and orders
-        sent meanwhile wait with the submission for its next iteration."""
-        self.begin_turn(data.draw(st.sampled_from(self.idle_ids()), label="session"), new, max_tokens, wake=wake)
+        (orders, admission, a step); otherwise it is busy with a step, and
+        orders sent meanwhile wait with the submission for its next
+        iteration."""
+        sid = data.draw(st.sampled_from(self.idle_ids()), label="session")
+        if wake:
+            self.begin_turn(sid, new, max_tokens, token=token)
+            return
+        with self.busy(token):
+            self.begin_turn(sid, new, max_tokens)
 
-    def begin_turn(self, sid: str, new: list[int], max_tokens: int, *, wake: bool = True) -> Flight | None:
-        """store.begin, then submit the turn's sequence (retain=sid)."""
+    def begin_turn(self, sid: str, new: list[int], max_tokens: int, *, token: int | None = None) -> Flight | None:
+        """store.begin, then submit the turn's request (retain=sid); with
+        ``token``, the scheduler wakes and runs an iteration."""
         expected = self.model_expire()
         if sid not in self.live:  # expired just now
             with pytest.raises(SessionNotFound):
@@ -401,22 +519,22 @@ class SessionMachine(RuleBasedStateMachine):
         self.check_removed(expected)
         assert session is live.session and session.busy and lease.current
         self.touch(sid)
-        seq = self.new_seq(live.tokens + new, max_tokens, sid)
-        try:
-            self.policy.enqueue(seq)
-        except RequestTooLarge:
+        prompt = live.tokens + new
+        seq = self.submit(prompt, max_tokens, sid)
+        if isinstance(seq, RequestTooLarge):
             # Nothing was submitted: the store cancels, no order is sent.
-            assert len(seq.prompt_ids) + max_tokens > MAX_LEN
+            assert len(prompt) + max_tokens > MAX_LEN
             assert self.store.cancel(lease, self.now)
             self.spent.append(lease)
             self.cancelled += 1
             self.touch(sid)
             return None
         self.retains[seq.id] = self.owner_of[seq.id] = sid
-        live.flight = Flight(seq, new, lease)
-        if wake:
-            self.iterate()
-        return live.flight
+        live.flight = Flight(seq, prompt, new, lease)
+        flight = live.flight
+        if token is not None:
+            self.iterate(token)
+        return flight
 
     @precondition(lambda self: self.idle_ids())
     @rule(
@@ -463,33 +581,39 @@ class SessionMachine(RuleBasedStateMachine):
         self.settle(sid, "cancel", request_id)  # engine.settle_retained(commit=False)
 
     def commit(self, sid: str) -> None:
+        """The turn's final response went out: the store keeps what its
+        events said (the streamed tokens, the final's usage, seed and draw
+        end), then a "commit" order names its request."""
         live = self.live[sid]
         flight = live.flight
-        seq = flight.seq
+        final = flight.final
+        request_id = final.request_id
+        assert request_id == flight.seq.id
         # Each turn's messages name its request, so the history's order shows.
         messages = (
-            {"role": "user", "content": "u" * len(flight.new), "name": seq.id},
-            {"role": "assistant", "content": "a" * len(seq.output_ids), "name": seq.id},
+            {"role": "user", "content": "u" * len(flight.new), "name": request_id},
+            {"role": "assistant", "content": "a" * len(flight.streamed), "name": request_id},
         )
         turn = Turn(
             messages=messages,
-            seed=seq.seed,
-            draw_end=seq.draw_index,
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=seq.generated,
+            seed=final.seed,
+            draw_end=final.draw_end,
+            prompt_tokens=final.usage.prompt_tokens,
+            completion_tokens=final.usage.completion_tokens,
         )
         self.store.commit(flight.lease, turn, self.now)
         self.spent.append(flight.lease)
         live.messages.extend(messages)
         live.flight = None
-        live.tokens = seq.history()
-        live.history_bytes += len(flight.new) + len(seq.output_ids)
+        live.tokens = flight.prompt + flight.streamed
+        assert live.tokens == flight.seq.history()
+        live.history_bytes += len(flight.new) + len(flight.streamed)
         live.turns += 1
         self.committed += 1
         self.touch(sid)
         # Committing can evict, even this session (its history over the bytes limit).
         self.check_removed(self.model_enforce())
-        self.settle(sid, "commit", seq.id)  # engine.settle_retained(commit=True), after the store
+        self.settle(sid, "commit", request_id)  # engine.settle_retained(commit=True), after the store
         assert not self.store.cancel(flight.lease, self.now)  # release(): nothing left to cancel
 
     @precondition(lambda self: self.running_ids())
@@ -503,28 +627,24 @@ class SessionMachine(RuleBasedStateMachine):
     def abandon(self, data, noticed, delete, mid_step, token):
         """The client leaves while its turn waits or runs: the store cancels
         and a "cancel" order names the turn's request. The scheduler notices
-        (the sequence is marked cancelled, dropped at its next iteration) or
+        (`core.cancel`: the request ends "cancelled" at the next plan) or
         not yet (it runs on, and may end normally after its order was
         applied: it must then hold nothing). With ``delete`` the session is
         deleted right after (a "forget" order too); with ``mid_step`` all
         this happens while a step runs, so that step may end the sequence
         before the orders apply (and the turn's KV is held until they do)."""
         sid = data.draw(st.sampled_from(self.running_ids()), label="session")
-        if mid_step:
-            self.top()
-        self.abandon_turn(sid, noticed=noticed)
-        if delete:
-            self.delete_session(sid)
-        if mid_step and self.policy.running:
-            self.step(token)
-            self.now += STEP_S
+        with self.busy(token) if mid_step else contextlib.nullcontext():
+            self.abandon_turn(sid, noticed=noticed)
+            if delete:
+                self.delete_session(sid)
 
     def abandon_turn(self, sid: str, *, noticed: bool) -> None:
         live = self.live[sid]
         seq = live.flight.seq
         assert live.flight.reason is None
         if noticed:
-            seq.cancelled = True
+            self.core.cancel(seq.id, self.now)
             self.zombies.append(seq)
         else:
             self.strays.append(seq)
@@ -564,7 +684,8 @@ class SessionMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self.running_ids()), label="session")
         cut = self.live[sid].flight.lease
         self.abandon_turn(sid, noticed=noticed)
-        flight = self.begin_turn(sid, new, max_tokens, wake=data.draw(st.booleans(), label="wake"))
+        wake = data.draw(st.booleans(), label="wake")
+        flight = self.begin_turn(sid, new, max_tokens, token=token if wake else None)
         assert not self.store.cancel(cut, self.now)  # the late cleanup
         if flight is None:
             return
@@ -578,7 +699,7 @@ class SessionMachine(RuleBasedStateMachine):
     def notice(self, data):
         """The scheduler notices at last that an abandoned turn's client is gone."""
         seq = data.draw(st.sampled_from(self.strays), label="stray")
-        seq.cancelled = True
+        self.core.cancel(seq.id, self.now)
         self.strays.remove(seq)
         self.zombies.append(seq)
 
@@ -588,32 +709,35 @@ class SessionMachine(RuleBasedStateMachine):
         new=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=4),
         max_tokens=st.integers(1, 4),
         noticed=st.booleans(),
+        token=st.sampled_from(SAMPLED),
     )
-    def commit_then_abandon_next(self, data, new, max_tokens, noticed):
-        """Turn N is committed while the scheduler is busy (its "commit"
-        order waits), then turn N+1 is begun and abandoned before the next
-        iteration: both orders apply there, in order, so N's KV becomes the
-        session's and N+1's cancel changes nothing held."""
+    def commit_then_abandon_next(self, data, new, max_tokens, noticed, token):
+        """Turn N is committed while the scheduler is busy with a step (its
+        "commit" order waits), then turn N+1 is begun and abandoned before
+        the next iteration: both orders apply there, in order, so N's KV
+        becomes the session's and N+1's cancel changes nothing held."""
         sid = data.draw(st.sampled_from(self.finished_ids()), label="session")
-        request_id = self.live[sid].flight.seq.id
-        assert self.policy.held.get(sid) == request_id
-        # What the commit must leave the session: N's held chain, or, when that
-        # was taken for room or is less than a block, what it pinned before.
-        expected = self.pins.get(held_key(sid), self.pins.get(sid, ()))
-        self.commit(sid)
-        flight = self.begin_turn(sid, new, max_tokens, wake=False)
-        if flight is not None:
-            self.abandon_turn(sid, noticed=noticed)
-        assert (sid, request_id) in self.orders
+        with self.busy(token):
+            request_id = self.live[sid].flight.seq.id
+            assert self.policy.held.get(sid) == request_id
+            # What the commit must leave the session: N's held chain, or, when
+            # that was taken for room or is less than a block, what it pinned before.
+            expected = self.pins.get(held_key(sid), self.pins.get(sid, ()))
+            self.commit(sid)
+            flight = self.begin_turn(sid, new, max_tokens)
+            if flight is not None:
+                self.abandon_turn(sid, noticed=noticed)
+            assert (sid, request_id) in self.orders
         kept = sid in self.live  # committing may have evicted it
-        self.apply_orders()
+        self.top()
+        # As admission started, right after the orders applied:
+        pinned = self.admission.pins
         if kept:
-            assert self.cache.pinned_tokens(sid) == len(expected), "a pending commit was lost"
-            assert self.cache.pinned_tokens(held_key(sid)) == 0 and sid not in self.policy.held
+            assert pinned.get(sid, 0) == len(expected), "a pending commit was lost"
+            assert pinned.get(held_key(sid), 0) == 0 and sid not in self.admission.held
         else:
-            assert self.cache.pinned_tokens(sid) == self.cache.pinned_tokens(held_key(sid)) == 0
-        self.drop_cancelled()
-        self.admit()
+            assert pinned.get(sid, 0) == pinned.get(held_key(sid), 0) == 0
+        self.finish_step(token)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -661,15 +785,18 @@ class SessionMachine(RuleBasedStateMachine):
 
     # -- rules: the scheduler's side ----------------------------------------
     @precondition(lambda self: not self.stateless and len(self.cache))
-    @rule(blocks=st.integers(6, MAX_LEN // BS), max_tokens=st.integers(1, 3))
-    def hog(self, blocks, max_tokens):
+    @rule(blocks=st.integers(6, MAX_LEN // BS), max_tokens=st.integers(1, 3), token=st.sampled_from(SAMPLED))
+    def hog(self, blocks, max_tokens, token):
         """A stateless request that needs most of the pool: admission takes
-        idle blocks first, then whole owners' pins."""
-        total = blocks * BS
-        seq = self.new_seq([1000 + self.counter * 100 + i for i in range(total - max_tokens)], max_tokens, None)
-        self.policy.enqueue(seq)
+        idle blocks first, then whole owners' pins. Its first block is its
+        own (no other prompt starts with it), so it shares nothing cached."""
+        span = self.tok.vocab_size - HOG_BASE
+        first = [HOG_BASE + self.counter % span, HOG_BASE + self.counter // span % span]
+        prompt = first + [HOG_BASE + i for i in range(blocks * BS - max_tokens - len(first))]
+        seq = self.submit(prompt, max_tokens, None)
+        assert isinstance(seq, Sequence), seq
         self.stateless.append(seq)
-        self.iterate()
+        self.iterate(token)
 
     @precondition(lambda self: self.policy.waiting or self.policy.running or self.orders)
     @rule(tokens=st.lists(st.sampled_from(SAMPLED), min_size=1, max_size=6))
@@ -687,6 +814,10 @@ class SessionMachine(RuleBasedStateMachine):
         raise AssertionError("sequences never finished: something waits forever")
 
     # -- invariants ---------------------------------------------------------
+    @invariant()
+    def idle_between_rules(self):
+        assert self.step is None and self.core.in_flight is None
+
     @invariant()
     def store_matches_model(self):
         assert list(self.store._sessions) == list(self.live)  # same sessions, same LRU order
@@ -706,15 +837,15 @@ class SessionMachine(RuleBasedStateMachine):
         assert len(self.store) <= max(MAX_SESSIONS, busy)
         # Every turn in flight belongs to a live session, and its sequence is
         # the scheduler's; the scheduler has nothing else but abandoned turns
-        # and stateless requests, and each retains as the model says.
+        # and stateless requests, and each retains as the model says. The
+        # core's requests (those with no final event yet) are exactly these.
         queued = list(self.policy.waiting) + list(self.policy.running)
-        flights = []
         for live in self.live.values():
             if live.flight is not None and live.flight.reason is None:
                 assert live.flight.seq in queued
                 assert live.flight.seq.retain == live.session.id
-                flights.append(live.flight.seq)
-        assert sorted(s.id for s in queued) == sorted(s.id for s in flights + self.strays + self.zombies + self.stateless)
+        assert sorted(s.id for s in queued) == sorted(s.id for s in self.queued())
+        assert sorted(self.core.seqs) == sorted(self.requests) == sorted(s.id for s in queued)
         for seq in queued:
             assert seq.retain == self.retains.get(seq.id), f"{seq.id} retains for {seq.retain!r}"
 
@@ -733,6 +864,9 @@ class SessionMachine(RuleBasedStateMachine):
 
     @invariant()
     def pins_match_model(self):
+        self.check_pins()
+
+    def check_pins(self) -> None:
         actual = [
             (owner, tuple(t for b in blocks for t in self.cache._entries[self.key_of(b)].tokens))
             for owner, blocks in self.cache._pins.items()
@@ -783,8 +917,15 @@ class SessionMachine(RuleBasedStateMachine):
             assert self.policy.held.get(sid) == self.live[sid].flight.seq.id
 
     def teardown(self):
-        for seq in list(self.policy.waiting) + list(self.policy.running):
-            seq.cancelled = True
+        if self.step is not None or self.core.in_flight is not None:
+            return  # a rule failed mid-step: that failure is the report
+        # Every request's consumer leaves: the core ends them all at its next plan.
+        queued = self.queued()
+        for seq in queued:
+            if seq not in self.zombies:
+                self.core.cancel(seq.id, self.now)
+        self.zombies = list(queued)
+        self.strays.clear()
         for sid, live in self.live.items():
             if live.busy:
                 request_id = live.flight.seq.id
@@ -792,9 +933,9 @@ class SessionMachine(RuleBasedStateMachine):
                 self.settle(sid, "cancel", request_id)
         for sid in self.ids:
             self.settle(sid, "forget")
-        self.apply_orders()
-        self.policy.drop_cancelled()
-        assert not self.policy.waiting and not self.policy.running
+        self.top()
+        assert self.step is None, "a step was planned after everything was cancelled"
+        assert not self.policy.waiting and not self.policy.running and not self.core.seqs
         assert self.policy.held == {} and not self.retains
         s = self.cache.stats()
         assert (s.pinned_owners, s.pinned_blocks) == (0, 0)
