@@ -1,6 +1,7 @@
 """`trioserve generate` as a user meets it: usage errors and broken
 checkpoints are one line on stderr with exit status 2, and a working
-checkpoint prints exactly the model's greedy reply."""
+checkpoint prints exactly the reply the server gives the same request
+(greedy, or sampled with the same seed)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+import httpx
 import pytest
 import torch
+import trio
 
+from tests.http.conftest import MODEL_NAME, make_settings, start_server
 from tests.tiny_model import set_gguf_u32
 from trioserve import cli
+from trioserve.config import EngineConfig
+from trioserve.http.schemas import parse_chat_request, sampling_params
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.generate import generate
-from trioserve.models.llama import LlamaModel
+from trioserve.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 # The ChatML prompt the CLI must build for "hi": the tiny GGUF carries no
@@ -145,30 +151,93 @@ def test_prompt_is_required(capsys):
 # -- a working checkpoint ----------------------------------------------------------
 
 
-def test_generate_prints_exactly_the_models_greedy_reply(tiny_checkpoints):
+async def generate_and_serve(nursery, path: Path, *flags: str) -> tuple[str, list[str], dict, dict]:
+    """`trioserve generate --prompt hi FLAGS` on ``path``, and the same
+    request to a server running the engine config the command uses: the
+    command's stdout (without its final newline) and stderr lines, the
+    server's chat completion for the same messages and its completion for
+    the same prompt tokens (ChatML: the tiny GGUF has no template)."""
+    argv = ["generate", "--model", str(path), "--prompt", "hi", "--dtype", "float32", *flags]
+    with trio.fail_after(120):
+        proc = await trio.run_process(
+            [sys.executable, "-m", "trioserve.cli", *argv], capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT
+        )
+    stderr = proc.stderr.decode("utf-8")
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    stdout = proc.stdout.decode("utf-8")  # bytes: no newline translation
+    assert stdout.endswith("\n")
+
+    args = cli.build_parser().parse_args(argv)
+    body = cli.generate_request_body(args)
+    settings = attrs.evolve(make_settings(path), engine=cli.generate_engine_config(str(path), "float32"))
+    url = await start_server(nursery, settings)
+    tok = load_checkpoint(path, dtype=torch.float32).tokenizer
+    assert tok.chat_template is None
+    system = [f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in body["messages"] if m["role"] == "system"]
+    prompt_ids = tok.encode("".join(system) + HI_PROMPT)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        chat = await client.post("/v1/chat/completions", json={**body, "model": MODEL_NAME})
+        assert chat.status_code == 200, chat.text
+        rest = {k: v for k, v in body.items() if k != "messages"}
+        text = await client.post("/v1/completions", json={**rest, "model": MODEL_NAME, "prompt": prompt_ids})
+        assert text.status_code == 200, text.text
+    return stdout[:-1], stderr.splitlines(), chat.json(), text.json()
+
+
+def assert_same_reply(stdout: str, stderr: list[str], chat: dict, text: dict) -> None:
+    choice = chat["choices"][0]
+    assert stdout, "a non-empty reply to compare"
+    assert stdout == choice["message"]["content"] == text["choices"][0]["text"]
+    assert choice["finish_reason"] == text["choices"][0]["finish_reason"]
+    usage = chat["usage"]
+    assert usage == text["usage"]
+    assert stderr[-1] == f"[{usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} generated, finish: {choice['finish_reason']}]"
+
+
+async def test_generate_prints_the_servers_greedy_reply(nursery, tiny_checkpoints):
     path = tiny_checkpoints["gguf_f32"]
-    proc = run_cli("generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "5", "--dtype", "float32")
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-
-    # The same reply computed in-process from the same file.
-    ckpt = load_checkpoint(path, dtype=torch.float32)
-    tok = ckpt.tokenizer
-    assert tok.chat_template is None  # so the CLI must fall back to ChatML
-    prompt_ids = tok.encode(HI_PROMPT)
-    result = generate(LlamaModel(ckpt.config, ckpt.weights), tok, prompt_ids, max_tokens=5)
-    assert result.token_ids and tok.decode(result.token_ids)  # a non-empty reply to compare
-    assert proc.stdout == tok.decode(result.token_ids) + "\n"
-
-    lines = proc.stderr.splitlines()
+    stdout, lines, chat, text = await generate_and_serve(nursery, path, "--max-tokens", "5")
+    assert_same_reply(stdout, lines, chat, text)
+    assert chat["usage"]["completion_tokens"] == 5  # ran to length: the tiny model's reply, not an early stop
     # Not a TTY: a progress line per tenth of the 21 tensors, ending at 21/21.
     progress = [line for line in lines if re.fullmatch(r"Loading weights: \d+/21 tensors", line)]
     assert progress[-1] == "Loading weights: 21/21 tensors"
     assert len(progress) == 11
     assert re.fullmatch(rf"Loading weights: done in \d+\.\d s \({re.escape(str(path))}, torch\.float32\)", lines[-2])
-    reason = result.finish_reason
-    assert lines[-1] == f"[{len(prompt_ids)} prompt tokens, {len(result.token_ids)} generated, finish: {reason}]"
     assert len(lines) == len(progress) + 2
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--seed", "1234"),
+        ("--seed", "-5", "--system", "Be brief."),  # any integer, folded into [0, 2**63) as the server folds it
+    ],
+    ids=["seed", "negative-seed-and-system"],
+)
+async def test_generate_with_a_seed_prints_the_servers_sampled_reply(nursery, tiny_checkpoints, flags):
+    path = tiny_checkpoints["gguf_f32"]
+    stdout, lines, chat, text = await generate_and_serve(nursery, path, "--max-tokens", "20", "--temperature", "1", *flags)
+    assert_same_reply(stdout, lines, chat, text)
+
+
+def test_generate_sends_the_servers_sampling_params():
+    """The command's flags become the SamplingParams the server builds for
+    the same chat body: temperature, max_tokens and the seed as sent (an
+    integer outside [0, 2**63) folded the server's way)."""
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--temperature", "0.7", "--seed", "-1", "--max-tokens", "9"])
+    params = sampling_params(parse_chat_request(cli.generate_request_body(args)), default_max_tokens=2048)
+    assert params == SamplingParams(max_tokens=9, temperature=0.7, seed=2**63 - 1)
+    assert cli.generate_engine_config("m", "float32") == EngineConfig(model="m", dtype="float32")
+    serve = cli.build_parser().parse_args(["serve", "--model", "m", "--dtype", "float32"])
+    config = EngineConfig(model="m", dtype="float32")
+    assert (serve.device, serve.max_num_seqs, serve.max_model_len, serve.kv_cache_bytes, serve.max_queue, serve.prefill_budget) == (
+        config.device, config.max_num_seqs, config.max_model_len, config.kv_cache_bytes, config.max_queue, config.prefill_budget,
+    ), "serve's defaults are EngineConfig's, so generate runs the engine serve would"
+    assert (not serve.no_prefix_cache, serve.prefix_cache_max_blocks, serve.prefix_cache_bytes, serve.prefix_cache_idle) == (
+        config.prefix_cache, config.prefix_cache_max_blocks, config.prefix_cache_max_bytes, config.prefix_cache_idle_s,
+    )
 
 
 @pytest.mark.parametrize(

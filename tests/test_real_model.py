@@ -6,21 +6,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trioserve.config import EngineConfig
+from trioserve.engine import open_engine
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.generate import generate
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.kv_pool import BlockPool
+from trioserve.types import FinalEvent, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    checkpoint = load_checkpoint("smollm2", dtype=torch.bfloat16)
+def checkpoint():
+    return load_checkpoint("smollm2", dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def smollm2(checkpoint):
     model = LlamaModel.from_checkpoint(checkpoint)
     tok = checkpoint.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
@@ -39,33 +45,34 @@ def test_checkpoint_shape(smollm2):
     assert tok.eos_id == 2 and 2 in tok.stop_ids
 
 
-def test_greedy_answer_names_paris(smollm2):
+async def test_greedy_answer_names_paris(smollm2, checkpoint):
+    """Through the engine, as the server and `trioserve generate` run it."""
     model, tok, template = smollm2
-    result = generate(model, tok, chat_ids(tok, template, "What is the capital of France?"), max_tokens=32)
-    assert "Paris" in result.text
-    assert result.finish_reason == "stop"  # it ends by itself, with EOS
-    assert len(result.token_ids) < 32
+    config = EngineConfig(model="smollm2", dtype="bfloat16")
+    async with open_engine(config, checkpoint=checkpoint, model=model) as engine:
+        request = GenerateRequest(chat_ids(tok, template, "What is the capital of France?"), SamplingParams(max_tokens=32, temperature=0))
+        events = [event async for event in engine.generate(request)]
+    final = events[-1]
+    assert isinstance(final, FinalEvent)
+    assert "Paris" in "".join(event.text for event in events)
+    assert final.finish_reason == "stop"  # it ends by itself, with EOS
+    assert final.usage.completion_tokens < 32
 
 
-def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
-    """Two conversations decoded in the same steps give the answers each gives
-    alone, and the pool is back to zero used blocks afterwards."""
-    model, tok, template = smollm2
-    questions = ["What is the capital of France?", "Name a primary color."]
-    solo = [generate(model, tok, chat_ids(tok, template, q), max_tokens=24).token_ids for q in questions]
-
-    pool = BlockPool(64, BLOCK)
+def greedy_together(model, tok, prompts: list[list[int]], max_tokens: int, pool: BlockPool) -> list[list[int]]:
+    """Greedy replies to ``prompts``, decoded in the same steps: one prefill
+    step for all, then one decode step per token while any is unfinished.
+    Each sequence's blocks go back to ``pool`` when it finishes."""
     cache = model.new_kv_cache(pool.num_blocks, BLOCK)
-    prompts = [chat_ids(tok, template, q) for q in questions]
-    tables = [pool.grow(i, len(p) + 24) for i, p in enumerate(prompts)]
+    tables = [pool.grow(i, len(p) + max_tokens) for i, p in enumerate(prompts)]
     assert pool.stats().used_blocks > 0
     logits = model.forward(build_step([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], BLOCK), cache)
-    outputs: list[list[int]] = [[], []]
-    live = [0, 1]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
     while live:
         picks = {s: int(logits[row].argmax()) for row, s in enumerate(live)}
         for s, token in picks.items():
-            if token in tok.stop_ids or len(outputs[s]) == 24:
+            if token in tok.stop_ids or len(outputs[s]) == max_tokens:
                 live.remove(s)
                 pool.free_sequence(s)
             else:
@@ -74,6 +81,19 @@ def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
             break
         chunks = [SeqChunk([outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1, tables[s], decode=True) for s in live]
         logits = model.forward(build_step(chunks, BLOCK), cache)
+    return outputs
+
+
+def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
+    """Two conversations decoded in the same steps give the answers each gives
+    alone, and the pool is back to zero used blocks afterwards."""
+    model, tok, template = smollm2
+    questions = ["What is the capital of France?", "Name a primary color."]
+    prompts = [chat_ids(tok, template, q) for q in questions]
+    solo = [greedy_together(model, tok, [p], 24, BlockPool(64, BLOCK))[0] for p in prompts]
+
+    pool = BlockPool(64, BLOCK)
+    outputs = greedy_together(model, tok, prompts, 24, pool)
     assert outputs == solo
     stats = pool.stats()
     assert (stats.used_blocks, stats.free_blocks, stats.sequences) == (0, pool.num_blocks, 0)

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="a system message (the template's default when omitted)")
     gen.add_argument("--max-tokens", type=_positive_int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy (default); up to 2")
-    gen.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    gen.add_argument("--seed", type=int, default=0, help="the request's seed, as the server takes it: any integer (default 0)")
     gen.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
