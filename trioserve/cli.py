@@ -14,7 +14,6 @@ from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
 
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -279,10 +278,6 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(settings)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _replay(args: argparse.Namespace) -> int:
     from trioserve.core.replay import main as replay_main
 
@@ -291,3 +286,7 @@ def _replay(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     return replay_main(args.trace, checkpoint=args.checkpoint, model=args.model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
