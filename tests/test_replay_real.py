@@ -9,6 +9,7 @@ fifty requests and re-runs every step of them."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -21,7 +22,6 @@ import pytest
 import torch
 import trio
 
-import trioserve.core.replay as replay_module
 from tests.http.conftest import SSE, metrics, read_sse, start_server
 from tests.http.test_guided import WEATHER
 from tests.http.test_server import raw_post
@@ -199,7 +199,6 @@ def recorded(tmp_path_factory, one_thread) -> Recorded:
         replies, stats = trio.run(record, directory)
     (writer,) = TrackedWriter.made
     closed = writer._file.closed
-    writer.close()  # a server stopped by cancellation leaves it open (see the xfail below)
     traces = list(directory.iterdir())
     assert len(traces) == 1 and traces[0].suffix == ".jsonl" and traces[0] == writer.path, traces
     return Recorded(traces[0], replies, stats, closed)
@@ -207,13 +206,10 @@ def recorded(tmp_path_factory, one_thread) -> Recorded:
 
 def run_replay(monkeypatch, *argv: str) -> tuple[int, str, str]:
     """``trioserve.cli.main(["replay", *argv])``: its exit status, stdout and
-    stderr. (replay.main binds ``out``/``err`` to sys.stdout/sys.stderr
-    when it is defined, so pytest's capture cannot see them; hand it
-    buffers instead.)"""
+    stderr (replay reads sys.stdout and sys.stderr when it runs)."""
     out, err = io.StringIO(), io.StringIO()
-    monkeypatch.setitem(replay_module.main.__kwdefaults__, "out", out)
-    monkeypatch.setitem(replay_module.main.__kwdefaults__, "err", err)
-    code = main(["replay", *argv, "--threads", str(THREADS)])
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["replay", *argv, "--threads", str(THREADS)])
     return code, out.getvalue(), err.getvalue()
 
 
@@ -296,7 +292,6 @@ def test_the_trace_records_every_request_and_both_cuts(recorded):
     assert text + finals[greedy]["text"] == recorded.replies["greedy-0"]["choices"][0]["message"]["content"]
 
 
-@pytest.mark.xfail(strict=True, reason="open_engine closes its TraceWriter only when its body ends without an exception: cancelling the server (as a test does) leaves the trace file open")
 def test_the_server_closes_its_trace_when_it_stops(recorded):
     assert recorded.closed
 

@@ -202,19 +202,21 @@ async def open_engine(
     inbox_send, inbox_recv = trio.open_memory_channel[SchedulerMessage](config.channel_size)
     guides = GuideCompiler(checkpoint.tokenizer)
     scheduler = Scheduler(core, worker_send)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides)
-        await nursery.start(run_worker, model, cache, worker_recv, sampler_send)
-        await nursery.start(run_scheduler, scheduler, inbox_recv)
-        engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
-        engine.trace_path = None if writer is None else writer.path
-        try:
-            yield engine
-        finally:
-            inbox_send.close()
-            nursery.cancel_scope.cancel()
-    if writer is not None:
-        writer.close()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides)
+            await nursery.start(run_worker, model, cache, worker_recv, sampler_send)
+            await nursery.start(run_scheduler, scheduler, inbox_recv)
+            engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
+            engine.trace_path = None if writer is None else writer.path
+            try:
+                yield engine
+            finally:
+                inbox_send.close()
+                nursery.cancel_scope.cancel()
+    finally:
+        if writer is not None:
+            writer.close()  # however the engine ends; every line is flushed already
 
 
 def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings) -> TraceWriter:

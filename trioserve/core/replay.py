@@ -270,7 +270,11 @@ def model_runner(head: dict, source) -> StepRunner:
     return run
 
 
-def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Replay ``trace`` and report on ``out`` (default: sys.stdout at the
+    time of the call) and ``err``; the exit status."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     mode = "model" if model else "fast"
     try:
         summary = replay_trace(trace, checkpoint=checkpoint, model=model)
