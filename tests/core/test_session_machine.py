@@ -11,10 +11,10 @@ cancelled requests end, then admission runs, then the next step is planned
 -- followed, when there is a step, by `core.result` with one sampled token
 per sampling row. How each turn ended ("stop", "length", "cancelled") is
 read from the final events the core returns, its output from its token
-events. The connection's side follows `trioserve/http/sessions.py`: begin,
-submit with retain=<session id>, then commit (store, then a "commit" order
-naming the request) or cancel (store, then a "cancel" order naming it when
-the store returned True).
+events. The turn's side follows the session actor
+(`trioserve/actors/session.py`): begin, submit with retain=<session id>,
+then commit (store, then a "commit" order naming the request) or cancel
+(store, then a "cancel" order naming it when the store returned True).
 
 After every step the store's accounting must match a model of its sessions
 (LRU order, busy, eviction by idle time, count and history bytes, the
@@ -614,7 +614,7 @@ class SessionMachine(RuleBasedStateMachine):
         # Committing can evict, even this session (its history over the bytes limit).
         self.check_removed(self.model_enforce())
         self.settle(sid, "commit", request_id)  # engine.settle_retained(commit=True), after the store
-        assert not self.store.cancel(flight.lease, self.now)  # release(): nothing left to cancel
+        assert not self.store.cancel(flight.lease, self.now)  # the actor's last settle: nothing left to cancel
 
     @precondition(lambda self: self.running_ids())
     @rule(
@@ -658,8 +658,9 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.spent)
     @rule(data=st.data())
     def stale_settle(self, data):
-        """A turn that ended is settled again, late (the body's finalizer,
-        a second cleanup path): its cancel does nothing and its commit is
+        """A turn that ended is settled again, late (a second cleanup path;
+        the session actor settles once, so the lease is the second line of
+        defence): its cancel does nothing and its commit is
         refused, whatever turn its session runs now. The HTTP side sends an
         order only when its cancel returned True, so none goes out."""
         lease = data.draw(st.sampled_from(self.spent), label="lease")

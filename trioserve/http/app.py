@@ -1,7 +1,8 @@
 """The quart-trio application: OpenAI-compatible routes over one engine.
 
 `create_app(settings)` builds a fresh app (an app object can be served only
-once). The engine starts in the app's nursery before serving and stops after.
+once). The engine starts in the app's nursery before serving and stops after;
+so do the session actors (trioserve/actors/session.py), inside its block.
 Each request is handled by its own task (the connection): it validates the
 body, submits to the engine, and turns events into one JSON body or SSE
 chunks. A client disconnect cancels the handler, which closes the engine's
@@ -18,6 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from trioserve.actors.session import SessionActors, open_session_actors
 from trioserve.http.connection import Connection
 from trioserve.config import ServerSettings, settings_from_env
 from trioserve.engine import Engine, open_engine
@@ -34,6 +36,11 @@ from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.progress import ProgressBar
 
+# A session actor waits this long past the write timeout for its handler to
+# ask for the next chunk (a write takes at most the write timeout; past it
+# the connection is aborted and the handler closes its ends anyway).
+PULL_GRACE_S = 5.0
+
 
 class ServerState:
     """What the routes share: the engine once it is up, and the server's phase."""
@@ -49,6 +56,7 @@ class ServerState:
         self.requests = None  # the InFlight middleware, which counts HTTP requests in flight
         self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
         self.sessions = None  # the SessionStore, made with the session routes
+        self.turns: SessionActors | None = None  # starts session actors while the engine runs
         self.reasoning = False  # split <think> reasoning out of replies
 
     def parsers(self, job, tools, choice) -> None:
@@ -75,12 +83,20 @@ async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
             state.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
             mode = state.settings.reasoning_parser
             state.reasoning = mode == "on" or (mode == "auto" and len(tok.encode(THINK_OPEN, add_bos=False)) == 1)
-            state.engine = engine
-            if engine.trace_path is not None:
-                print(f"trioserve: recording engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
-            state.phase = "ok"
-            task_status.started()
-            await trio.sleep_forever()
+            # The session actors live inside the engine's block: when the app
+            # stops, their turns end first (cancelled, nothing committed).
+            pull_timeout_s = state.settings.write_timeout_s + PULL_GRACE_S
+            async with open_session_actors(state.sessions, engine, pull_timeout_s=pull_timeout_s) as turns:
+                state.turns = turns
+                state.engine = engine
+                if engine.trace_path is not None:
+                    print(f"trioserve: recording engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
+                state.phase = "ok"
+                task_status.started()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    state.turns = None
 
 
 async def _body(limit: int) -> object:

@@ -1,6 +1,7 @@
 """The connection actor: one per HTTP request, living in that request's
-handler task. It submits the request's generations to the engine and turns
-their events into one JSON body or a stream of SSE chunks.
+handler task (a session turn's lives in its session actor's task instead:
+trioserve/actors/session.py). It submits the request's generations to the
+engine and turns their events into one JSON body or a stream of SSE chunks.
 
 Cancellation: when the client disconnects, hypercorn and quart-trio cancel
 the handler (buffered) or close the body generator (streaming); either way
@@ -9,7 +10,7 @@ scheduler drops the requests within one step."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 import contextlib
 from contextlib import aclosing
 
@@ -113,15 +114,18 @@ class Connection:
         # Submit the first choice now, so a refusal (queue full, too long) is
         # an ordinary error response rather than an error inside the stream;
         # once accepted, headers and the role chunk go out at once.
-        first = self.engine.open_generation(self._request(0))
         try:
-            events = await first.__aenter__()
+            body = await self.open_stream(include_usage)
         except Exception as exc:  # noqa: BLE001 - a refusal is an ordinary error response
             return error_response(exc)
-        body = self._sse(first, events, include_usage)
-        response = Response(body, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-        response.timeout = None
-        return response
+        return sse_response(body)
+
+    async def open_stream(self, include_usage: bool) -> AsyncGenerator[bytes, None]:
+        """Submit the first choice; raise its refusal, or give the stream's
+        chunks (an async generator: closing it cancels what still runs)."""
+        first = self.engine.open_generation(self._request(0))
+        events = await first.__aenter__()
+        return self._sse(first, events, include_usage)
 
     async def _sse(self, first, events, include_usage: bool) -> AsyncIterator[bytes]:
         """Chunks for every choice, then usage and [DONE]. With n > 1 the
@@ -187,6 +191,13 @@ class Connection:
         else:
             lp = openai.completion_logprobs(tok, [event], 0) if self.logprobs else None
             yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, None, lp)), 0
+
+
+def sse_response(body: AsyncIterator[bytes]) -> Response:
+    """A streaming response of SSE chunks, with no overall deadline."""
+    response = Response(body, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    response.timeout = None
+    return response
 
 
 @contextlib.asynccontextmanager

@@ -10,26 +10,36 @@ messages through the chat template, and generates. Right before the final
 response (the JSON body, or the last SSE chunk) it commits: the new messages
 and the reply join the history, and the random stream's position moves on.
 A disconnect, error or refusal before that point changes nothing, so a retry
-starts from the same place; a disconnect after it does not undo the turn."""
+starts from the same place; a disconnect after it does not undo the turn.
+
+The turn itself runs in its session's actor (trioserve/actors/session.py),
+which generates, commits or cancels. This handler pins the session through
+`SessionActors.begin` (409 at once when busy), hands the turn over
+(`RunTurn`) and relays what the actor answers: the JSON body, or the SSE
+chunks, each pulled when the last one has gone out. When the client leaves,
+the handler's ends of the two channels close (the body's own close, or the
+end of the request when the body never started) and the actor cancels the
+turn in its own task."""
 
 from __future__ import annotations
 
 import time
-import weakref
-from contextlib import aclosing
+from collections.abc import AsyncIterator
 
 import attrs
 import trio
 from quart import Response
 
-from trioserve.http.connection import Connection
+from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, SessionMessage, TurnOutput
+from trioserve.http.connection import Connection, sse_response
 from trioserve.http import openai
-from trioserve.errors import RequestError
+from trioserve.errors import EngineClosed, RequestError
 from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.http.in_flight import at_request_end
 from trioserve.types import SEED_LIMIT
 from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
-from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
+from trioserve.state.session_store import Session, SessionStore, Turn
 
 # Chat fields a session keeps as defaults for its turns.
 SETTINGS = (
@@ -115,7 +125,6 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
 
     @app.route("/v1/sessions/<session_id>/turns", methods=["POST"])
     async def turn(session_id: str) -> Response:
-        lease: TurnLease | None = None  # set once this request has pinned the session
         try:
             engine = state.ready()
             body = await body_reader()
@@ -132,12 +141,21 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             req = parse_chat_request({**defaults, **body})
             if req.n != 1:
                 raise HTTPError(400, "n: a session turn has exactly one choice", param="n")
-            lease = store.begin(session_id, trio.current_time())
-            session = lease.session
             new = [message_dict(m) for m in req.messages]
+            actors = state.turns
+            if actors is None:
+                raise EngineClosed("the server is shutting down")
+            # Pins the session (a second turn is a 409 here, at once) and
+            # starts its actor, which owns the turn from now on.
+            inbox = actors.begin(session_id, trio.current_time())
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
+            return error_response(exc)
+        restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
+
+        async def prepare(session: Session) -> Connection:
+            """The turn's generation from the pinned session (in the actor's task)."""
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, session.conversation(new), req.tools, req.tool_choice)
             params = sampling_params(req, default_max_tokens=default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
-            restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
             if not restart and session.seed is not None:
                 params = _with_seed(params, session.seed)
             job = Connection(state, engine, "chat", prompt_ids, params, 1, req.logprobs, prompt_text="", echo=False)
@@ -145,61 +163,76 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             job.retain = session.id
             job.guides = await compile_guides(engine, req, 1)
             state.parsers(job, req.tools, req.tool_choice)
-        except BaseException as exc:
-            if lease is not None:
-                store.cancel(lease, trio.current_time())  # nothing was submitted, so nothing is held
-            if not isinstance(exc, Exception):
-                raise  # cancelled (the client left while the turn was being set up)
-            return error_response(exc)
+            return job
 
-        def commit(choice: openai.Choice) -> None:
+        def outcome(choice: openai.Choice) -> Turn:
             final = choice.final
-            turn = Turn(
+            return Turn(
                 messages=tuple(new) + (_history_message(choice.message()),),
                 seed=final.seed,
                 draw_end=final.draw_end,
                 prompt_tokens=final.usage.prompt_tokens,
                 completion_tokens=final.usage.completion_tokens,
             )
-            store.commit(lease, turn, trio.current_time())  # StaleTurn (nothing changed) if this turn ended already
-            engine.settle_retained(session.id, job.request_id, commit=True)  # its KV is the session's now
 
-        def release() -> None:
-            # Runs once the response is over, and perhaps again from the
-            # garbage collector's finalizer, possibly after trio has stopped.
-            # Only this turn's lease can end this turn, once: a late call
-            # does nothing, whatever turn the session is running by then.
-            if store.cancel(lease, _now(session.last_used)):
-                engine.settle_retained(session.id, job.request_id, commit=False)
+        replies_send, replies = trio.open_memory_channel[TurnOutput](1)
 
-        job.on_final = commit
-        if not req.stream:
-            try:
-                return await job.collect()
-            finally:
-                release()
+        def hang_up() -> None:
+            # Closing our ends is how the actor learns the client left: it
+            # then cancels the turn in its own task. Runs when the body
+            # ends, and in any case when the request is over (a body that
+            # never started runs no cleanup of its own).
+            inbox.close()
+            replies.close()
+
+        at_request_end(hang_up)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        order = RunTurn(prepare, outcome, req.stream, include_usage, replies_send)
         try:
-            response = await job.stream(include_usage)
+            first = await _ask(inbox, order, replies)
         except BaseException:
-            release()  # cancelled while submitting: the turn never started
+            hang_up()  # cancelled: the client left while the turn was starting
             raise
-        if response.mimetype == "text/event-stream":
-            # Release when the body ends, and also if it never starts (the
-            # client left first): the generator is then only collected.
-            # The finalizer is detached as soon as the body's own cleanup ran.
-            def body_ended() -> None:
-                release()
-                finalizer.detach()
-
-            wrapped = _then(response.response.iter, body_ended)
-            finalizer = weakref.finalize(wrapped, release)
-            response.response.iter = wrapped
-        else:
-            release()
-        return response
+        if isinstance(first, Opened):
+            return sse_response(_relay(inbox, replies))
+        hang_up()
+        if isinstance(first, Answer):
+            return first.response
+        if isinstance(first, Failed):
+            return error_response(first.error)
+        raise AssertionError(f"a session actor answered {first!r} first")
 
     return store
+
+
+async def _ask(inbox: trio.MemorySendChannel[SessionMessage], order: RunTurn, replies: trio.MemoryReceiveChannel[TurnOutput]) -> TurnOutput:
+    """Hand the turn to its actor; its first output."""
+    try:
+        await inbox.send(order)
+    except trio.BrokenResourceError:  # the actor ended already: the app is stopping
+        order.replies.close()
+        return Failed(EngineClosed("the server is shutting down"))
+    try:
+        return await replies.receive()
+    except trio.EndOfChannel:  # the actor ended without an answer: the app is stopping
+        return Failed(EngineClosed("the server is shutting down"))
+
+
+async def _relay(inbox: trio.MemorySendChannel[SessionMessage], replies: trio.MemoryReceiveChannel[TurnOutput]) -> AsyncIterator[bytes]:
+    """The streamed turn's body: each chunk asked of the session actor when
+    the last one has gone out. Closing it (the client left) closes both ends,
+    and the actor cancels the turn."""
+    with inbox, replies:
+        while True:
+            try:
+                await inbox.send(Pull())
+                out = await replies.receive()
+            except (trio.BrokenResourceError, trio.EndOfChannel):
+                return  # the actor is done: that was the last chunk
+            if isinstance(out, Failed):
+                raise out.error  # a failure mid-stream: the connection is cut, as for any broken body
+            assert isinstance(out, Chunk), out
+            yield out.data
 
 
 def _history_message(message: dict) -> dict:
@@ -210,27 +243,8 @@ def _history_message(message: dict) -> dict:
     return kept
 
 
-def _now(fallback: float) -> float:
-    """The store's clock (trio's), or ``fallback`` outside a trio run."""
-    try:
-        return trio.current_time()
-    except RuntimeError:
-        return fallback
-
-
 def _with_seed(params, seed: int):
     return attrs.evolve(params, seed=seed)
-
-
-async def _then(body, after):
-    """``body``'s chunks, then ``after()``, however the body ends; closing
-    this generator closes ``body`` too (its engine request with it)."""
-    try:
-        async with aclosing(body):
-            async for chunk in body:
-                yield chunk
-    finally:
-        after()
 
 
 def _describe(session: Session, model: str) -> dict:

@@ -1,16 +1,18 @@
 """Stateful sessions: committed conversation history, settings and the
 random-stream position, with the turn protocol's bookkeeping. Pure Python:
-no trio, no torch; the HTTP connection drives it.
+no trio, no torch; the session actors (trioserve/actors/session.py) and the
+session routes drive it.
 
 A turn *begins* (the session is pinned: one turn at a time), generates
 provisionally, and then either *commits* (history, draw position and usage
 change) or *cancels* (nothing changes, so a retry starts from the same
 place). `begin` hands out a `TurnLease`, the turn's identity: only the
-lease of the turn that is running may commit or cancel it, and only once. A
-late or repeated settle from a turn that already ended (a finalizer, a
-second cleanup path) is then harmless: it can never end a later turn. Idle sessions are evicted least recently used beyond the count limit
-or after the idle limit; a pinned session is never evicted. Nothing
-persists across restarts."""
+lease of the turn that is running may commit or cancel it, and only once.
+The turn's session actor is the only one that settles it; the lease is the
+second line of defence: a late or repeated settle from a turn that already
+ended is harmless, it can never end a later turn. Idle sessions are evicted
+least recently used beyond the count limit or after the idle limit; a
+pinned session is never evicted. Nothing persists across restarts."""
 
 from __future__ import annotations
 

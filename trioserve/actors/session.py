@@ -1,0 +1,288 @@
+"""The session actor: one trio task per session with a turn under way. It
+owns that turn from the moment the session is pinned until it is settled:
+the turn's generation runs in the actor's nursery, and the actor alone
+commits it or cancels it, exactly once.
+
+    handler ──RunTurn(prepare, outcome, stream, replies)──► SessionActor ──► engine
+       ▲                  Pull (one per chunk)                  │
+       └───── Answer | Opened, Chunk... | Failed (replies) ◄────┘
+
+`SessionActors.begin` pins the session in the store (a second turn is a
+409 at once, never queued), opens the actor's one inbox and starts the
+actor in the nursery the app owns; the handler holds the inbox's only send
+end. The handler sends one `RunTurn`; a buffered turn's whole answer comes
+back on the reply channel the message carries; a streamed turn answers
+`Opened`, then one `Chunk` per `Pull`, so the body advances only as fast as
+the client takes it, as a body generator in the handler would.
+
+Commit point: the job calls ``on_final`` right before its final response is
+made (the JSON body, or the last SSE chunk, made only once the client asked
+for it); the actor commits there if the handler is still attached. Every
+other ending (a refusal, an error, the handler closing its ends or going
+quiet past ``pull_timeout_s``, the app stopping) cancels the turn: the
+actor's nursery scope is cancelled, which closes the engine generation,
+and the lease is let go in the actor's own task, once. A commit and a
+cancel can meet only inside this actor (its listener and its turn share one
+nursery, and both settle synchronously): whichever comes first ends the
+lease, and the other finds it ended (the store's `TurnLease` check stays as
+a second line of defence).
+
+No HTTP here (the layers forbid it): answers and chunks are opaque to the
+actor; the handler's ``prepare`` builds the job that makes them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from trioserve.actors.messages import deliver
+from trioserve.errors import EngineClosed
+from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
+
+if TYPE_CHECKING:
+    from trioserve.engine import Engine
+
+
+class TurnJob(Protocol):
+    """One turn's generation, as the HTTP layer builds it (its Connection)."""
+
+    request_id: str  # the engine request whose KV is kept for the session
+    on_final: Callable[[Any], None] | None  # called with the final choice right before the final response is made
+
+    async def collect(self) -> object:
+        """The whole answer (a JSON body, or an error response)."""
+        ...
+
+    async def open_stream(self, include_usage: bool) -> AsyncGenerator[bytes, None]:
+        """Submit; raise the refusal, or give the stream's chunks."""
+        ...
+
+
+# -- the session actor's inbox ------------------------------------------------
+@attrs.frozen
+class RunTurn:
+    """Run the pinned session's turn; what it produces goes to ``replies``
+    (whose send end the actor then owns and closes)."""
+
+    prepare: Callable[[Session], Awaitable[TurnJob]]  # builds the generation from the pinned session
+    outcome: Callable[[Any], Turn]  # what the turn adds, from its final choice
+    stream: bool
+    include_usage: bool
+    replies: trio.MemorySendChannel[TurnOutput]  # bound 1: one output per RunTurn or Pull
+
+
+@attrs.frozen
+class Pull:
+    """The handler handed the last chunk on and wants the next."""
+
+
+SessionMessage = RunTurn | Pull
+
+
+# -- what the actor answers, on the channel RunTurn carries -------------------
+@attrs.frozen
+class Answer:
+    """The whole response of a buffered turn (or the job's own error response)."""
+
+    response: object
+
+
+@attrs.frozen
+class Opened:
+    """The stream was accepted: its chunks follow, one per Pull; the channel
+    closes after the last."""
+
+
+@attrs.frozen
+class Chunk:
+    data: bytes
+
+
+@attrs.frozen
+class Failed:
+    """The turn ended with ``error`` (a refusal, or a failure)."""
+
+    error: Exception
+
+
+TurnOutput = Answer | Opened | Chunk | Failed
+
+
+class SessionActor:
+    """One turn of one session, from its pin to its settlement."""
+
+    def __init__(self, lease: TurnLease, store: SessionStore, engine: Engine, pull_timeout_s: float) -> None:
+        self.lease = lease
+        self.store = store
+        self.engine = engine
+        self.pull_timeout_s = pull_timeout_s  # the longest the actor waits for the handler to ask
+        self.request_id: str | None = None  # the turn's engine request, once the job is built
+        self._inbox: trio.MemoryReceiveChannel[SessionMessage] | None = None
+        self._replies: trio.MemorySendChannel[TurnOutput] | None = None
+        self._pulls = 0  # Pulls received and not yet answered
+        self._pulled = trio.Event()
+
+    @property
+    def session(self) -> Session:
+        return self.lease.session
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[SessionMessage]) -> None:
+        """Serve one RunTurn, listening to ``inbox`` all along: when the
+        handler closes its end, the turn is cancelled at once."""
+        self._inbox = inbox
+        try:
+            async with inbox:
+                order = None
+                with trio.move_on_after(self.pull_timeout_s):
+                    with contextlib.suppress(trio.EndOfChannel):
+                        order = await inbox.receive()
+                if not isinstance(order, RunTurn):
+                    return  # the handler left (or never asked): nothing ran
+                self._replies = order.replies
+                async with order.replies, trio.open_nursery() as nursery:
+                    nursery.start_soon(self._turn, order, nursery.cancel_scope)
+                    await self._listen(inbox)
+                    nursery.cancel_scope.cancel()  # the handler is gone: end the turn (closing its generation)
+        finally:
+            self._settle()  # unless the turn committed; runs once its generation is closed
+
+    async def _listen(self, inbox: trio.MemoryReceiveChannel[SessionMessage]) -> None:
+        """Count the handler's Pulls; return when its end closes (it left,
+        or took the whole response) or when it breaks the protocol."""
+        async for message in inbox:
+            if not isinstance(message, Pull):
+                return  # a second RunTurn: one actor runs one turn
+            self._pulls += 1
+            self._pulled.set()
+
+    async def _turn(self, order: RunTurn, done: trio.CancelScope) -> None:
+        try:
+            await self._produce(order)
+        except Exception as exc:  # noqa: BLE001 - a failure of this turn only; the handler reports it
+            self._settle()
+            deliver(order.replies, Failed(exc))
+        finally:
+            done.cancel()  # the turn is over: stop listening
+
+    async def _produce(self, order: RunTurn) -> None:
+        replies = order.replies
+        try:
+            job = await order.prepare(self.session)
+        except Exception as exc:  # noqa: BLE001 - a bad request: nothing was submitted
+            self._settle()
+            deliver(replies, Failed(exc))
+            return
+        self.request_id = job.request_id
+        job.on_final = lambda choice: self._commit(order, choice)
+        if not order.stream:
+            answer = await job.collect()
+            self._settle()  # after a commit, nothing; otherwise the turn failed (its answer says why)
+            deliver(replies, Answer(answer))
+            return
+        try:
+            body = await job.open_stream(order.include_usage)
+        except Exception as exc:  # noqa: BLE001 - refused (queue full, too long): an ordinary error response
+            self._settle()
+            deliver(replies, Failed(exc))
+            return
+        async with aclosing(body):
+            # Start the body now (its first chunk is the role chunk, which
+            # commits nothing): only a started generator's close closes its
+            # engine request.
+            pending: bytes | None = await anext(body)
+            if not deliver(replies, Opened()):
+                return
+            while True:
+                if not await self._wait_pull():
+                    return  # the handler went quiet: cancelled on the way out
+                if pending is None:
+                    try:
+                        pending = await anext(body)  # the final chunk commits first (on_final)
+                    except StopAsyncIteration:
+                        break
+                if not deliver(replies, Chunk(pending)):
+                    return  # the handler is gone: cancelled on the way out
+                pending = None
+        self._settle()  # the stream ended without committing (it failed): cancel before the end shows
+        replies.close()
+
+    async def _wait_pull(self) -> bool:
+        """Take one Pull; False when none came within ``pull_timeout_s``."""
+        with trio.move_on_after(self.pull_timeout_s):
+            while self._pulls == 0:
+                self._pulled = trio.Event()
+                await self._pulled.wait()
+            self._pulls -= 1
+            return True
+        return False
+
+    def _attached(self) -> bool:
+        """The handler still holds its ends (it has not left)."""
+        inbox, replies = self._inbox, self._replies
+        return (
+            inbox is not None
+            and replies is not None
+            and inbox.statistics().open_send_channels > 0
+            and replies.statistics().open_receive_channels > 0
+        )
+
+    def _commit(self, order: RunTurn, choice: Any) -> None:
+        """The final response is being made: the turn becomes history, and
+        its KV the session's. Not if the handler left first: then the turn
+        is cancelled on the way out, as if the client left a moment earlier."""
+        if not self._attached():
+            return
+        self.store.commit(self.lease, order.outcome(choice), trio.current_time())  # StaleTurn if it ended already
+        self.engine.settle_retained(self.session.id, self.request_id, commit=True)
+
+    def _settle(self) -> None:
+        """Cancel the turn unless it committed: nothing changes, and the KV
+        held for it is let go. Only the first call does anything."""
+        if self.store.cancel(self.lease, trio.current_time()) and self.request_id is not None:
+            self.engine.settle_retained(self.session.id, self.request_id, commit=False)
+
+
+class SessionActors:
+    """Starts one SessionActor per turn, in a nursery the app owns."""
+
+    def __init__(self, nursery: trio.Nursery, store: SessionStore, engine: Engine, *, pull_timeout_s: float) -> None:
+        self._nursery = nursery
+        self.store = store
+        self.engine = engine
+        self.pull_timeout_s = pull_timeout_s
+        self.closed = False
+
+    def begin(self, session_id: str, now: float) -> trio.MemorySendChannel[SessionMessage]:
+        """Pin ``session_id`` for a turn and start its actor; the inbox's
+        only send end. Raises SessionNotFound, SessionBusy (at once, never
+        queued), or EngineClosed once the app is stopping."""
+        if self.closed:
+            raise EngineClosed("the server is shutting down")
+        lease = self.store.begin(session_id, now)
+        send, inbox = trio.open_memory_channel[SessionMessage](1)  # one RunTurn, then one Pull at a time
+        actor = SessionActor(lease, self.store, self.engine, self.pull_timeout_s)
+        try:
+            self._nursery.start_soon(actor.run, inbox, name=f"session {session_id}")
+        except RuntimeError:  # the nursery is closed: the app is stopping
+            self.store.cancel(lease, now)
+            raise EngineClosed("the server is shutting down") from None
+        return send
+
+
+@contextlib.asynccontextmanager
+async def open_session_actors(store: SessionStore, engine: Engine, *, pull_timeout_s: float) -> AsyncIterator[SessionActors]:
+    """Session actors for ``store``'s sessions over ``engine``. Leaving the
+    block ends every running turn as a disconnect would: cancelled, nothing
+    committed."""
+    async with trio.open_nursery() as nursery:
+        actors = SessionActors(nursery, store, engine, pull_timeout_s=pull_timeout_s)
+        try:
+            yield actors
+        finally:
+            actors.closed = True
+            nursery.cancel_scope.cancel()
