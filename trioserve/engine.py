@@ -76,44 +76,18 @@ class Engine:
         """Let go of everything kept for ``owner`` (the session ended)."""
         self._scheduler.settle(owner, "forget")
 
-    @contextlib.asynccontextmanager
-    async def open_generation(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[Event]]:
-        """Submit ``request``; once the scheduler accepted it, give its
-        events (ending with one FinalEvent) as an async iterator.
+    def open_generation(self, request: GenerateRequest) -> Generation:
+        """Submit ``request`` on entering the returned async context; once
+        the scheduler accepted it, the context gives its events (ending with
+        one FinalEvent) as an async iterator.
 
         Raises on entry: RequestError / RequestTooLarge (bad or impossible
         request), QueueFull, EngineDead, EngineClosed. Leaving the block
         before the FinalEvent, or being cancelled, cancels the request; the
-        scheduler frees its blocks within one step.
-
-        The edge of the engine: a request without a seed gets a fresh one
-        here, so everything past this point is deterministic."""
-        check_request(request, self.tokenizer.vocab_size)
-        request_id = request.request_id or f"req-{secrets.token_hex(8)}"
-        if request.params.seed is None:
-            request = attrs.evolve(request, params=attrs.evolve(request.params, seed=new_seed()))
-        events_send, events = trio.open_memory_channel(request.params.max_tokens + 2)
-        reply_send, reply = trio.open_memory_channel(1)
-        stream = _EventStream(events)
-        async with events, reply:
-            try:
-                await self._inbox.send(Submit(request_id, request, events_send, reply_send))
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                raise EngineClosed("the engine is shut down") from None
-            try:
-                outcome = await reply.receive()
-            except trio.EndOfChannel:
-                raise EngineClosed("the engine is shut down") from None
-            if outcome is not None:
-                raise outcome
-            try:
-                yield stream
-            finally:
-                if not stream.finished:
-                    with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                        # Best effort, to wake the scheduler now; closing our
-                        # event channel (leaving this block) is what it relies on.
-                        self._inbox.send_nowait(Cancel(request_id))
+        scheduler frees its blocks within one step. The context's `close()`
+        does the same without awaiting anything, for callers that cannot
+        (a response body that never started)."""
+        return Generation(self, request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """`open_generation` as one async generator: submit, then yield every
@@ -124,12 +98,73 @@ class Engine:
                 yield event
 
 
+class Generation:
+    """One request's submission and the end of it (`Engine.open_generation`).
+
+    The edge of the engine: a request without a seed gets a fresh one
+    here, so everything past this point is deterministic. Its cleanup is
+    synchronous: a best-effort Cancel to wake the scheduler, then closing
+    the event channel, which is what the scheduler relies on."""
+
+    def __init__(self, engine: Engine, request: GenerateRequest) -> None:
+        check_request(request, engine.tokenizer.vocab_size)
+        if request.params.seed is None:
+            request = attrs.evolve(request, params=attrs.evolve(request.params, seed=new_seed()))
+        self.request = request
+        self.request_id = request.request_id or f"req-{secrets.token_hex(8)}"
+        self._inbox = engine._inbox
+        events_send, events = trio.open_memory_channel[Event](request.params.max_tokens + 2)
+        self._events_send = events_send
+        self._reply_send, self._reply = trio.open_memory_channel[BaseException | None](1)
+        self.stream = _EventStream(events)
+
+    async def __aenter__(self) -> _EventStream:
+        try:
+            try:
+                await self._inbox.send(Submit(self.request_id, self.request, self._events_send, self._reply_send))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise EngineClosed("the engine is shut down") from None
+            try:
+                outcome = await self._reply.receive()
+            except trio.EndOfChannel:
+                raise EngineClosed("the engine is shut down") from None
+        except BaseException:
+            self._events_send.close()  # never delivered: nobody else will close it
+            self.close()
+            raise
+        if outcome is not None:
+            self.stream.finished = True  # refused: there is nothing to cancel
+            self.close()
+            raise outcome
+        return self.stream
+
+    async def __aexit__(self, *exc_info) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Stop: cancel the request if it has not ended, and let go of its
+        channels. Idempotent; never blocks."""
+        if not self.stream.finished and not self.stream.closed:
+            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                self._inbox.send_nowait(Cancel(self.request_id))
+        self.stream.close()
+        self._reply.close()
+
+
 class _EventStream:
     """A request's events, up to and including its FinalEvent."""
 
-    def __init__(self, channel: trio.MemoryReceiveChannel) -> None:
+    def __init__(self, channel: trio.MemoryReceiveChannel[Event]) -> None:
         self._channel = channel
         self.finished = False
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop receiving: the scheduler cancels the request (if it has not
+        ended) at its next iteration."""
+        self.closed = True
+        self._channel.close()
 
     def __aiter__(self) -> _EventStream:
         return self

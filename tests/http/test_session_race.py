@@ -320,3 +320,30 @@ async def _asgi(app, path: str, body: dict, send) -> None:
 
     with trio.fail_after(30):
         await app(scope, receive, send)
+
+
+async def test_a_chat_stream_whose_body_never_starts_is_cancelled_at_once(tiny_gguf, slow_steps):
+    """The same hostile client on a plain streamed chat completion: it goes
+    while the head is written, the body generator never starts, and with
+    the garbage collector off nothing else would ever close the request's
+    events. The engine request must still end cancelled within a step or
+    two, not run its 200 tokens."""
+    app = create_app(make_settings(tiny_gguf), checkpoint=load_checkpoint(tiny_gguf, dtype=torch.float32))
+    async with app.test_app():
+        slow_steps(0.02)  # 200 tokens would take 4 s or more
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            began = trio.current_time()
+            body = {"messages": [{"role": "user", "content": "never read"}], "stream": True, "max_tokens": 200, "ignore_eos": True}
+            assert await _gone_at_head(app, "/v1/chat/completions", body) == 200
+            for _ in range(200):
+                metrics = json.loads(b"".join((await call(app, "GET", "/metrics"))[1]))
+                if metrics["running"] == 0 and metrics["waiting"] == 0:
+                    break
+                await trio.sleep(0.01)
+            assert metrics["finished"] == {"cancelled": 1}, metrics["finished"]
+            assert trio.current_time() - began < 2.0, "the request ran until something else noticed"
+        finally:
+            if was_enabled:
+                gc.enable()

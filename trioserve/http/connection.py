@@ -20,6 +20,7 @@ from quart import Response
 
 from trioserve.types import FinalEvent, GenerateRequest
 from trioserve.http import openai
+from trioserve.http.in_flight import at_request_end
 from trioserve.http.errors import HTTPError, error_response, json_response, to_response
 from trioserve.models.output_parser import OutputParser
 from trioserve.types import SEED_LIMIT
@@ -125,6 +126,11 @@ class Connection:
         chunks (an async generator: closing it cancels what still runs)."""
         first = self.engine.open_generation(self._request(0))
         events = await first.__aenter__()
+        # A body that never starts (the client left while the head was
+        # written) runs no cleanup of its own: when the request is over,
+        # closing the generation tells the scheduler, which cancels the
+        # request within a step. Harmless once the stream has ended.
+        at_request_end(first.close)
         return self._sse(first, events, include_usage)
 
     async def _sse(self, first, events, include_usage: bool) -> AsyncIterator[bytes]:
