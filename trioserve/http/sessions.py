@@ -36,7 +36,7 @@ from trioserve.http import openai
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.in_flight import at_request_end
-from trioserve.types import SEED_LIMIT
+from trioserve.types import fold_seed
 from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.session_store import Session, SessionStore, Turn
@@ -74,7 +74,7 @@ def _session_seed(body: dict) -> int | None:
     if body.get("seed") is None:
         return None
     req = parse_chat_request({"messages": PLACEHOLDER, "seed": body["seed"]})
-    return req.seed % SEED_LIMIT
+    return fold_seed(req.seed)
 
 
 def add_session_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
