@@ -130,6 +130,7 @@ def main() -> int:
         for name, (tree, extra) in variants.items():
             proc, url = start(tree, extra, work / f"{name}.log")
             try:
+                load(url, 4, 4, args)  # warm-up: the first steps of each shape build oneDNN kernels
                 one = load(url, 1, args.requests_1, args)
                 many = load(url, 32, args.requests_32, args)
             finally:
