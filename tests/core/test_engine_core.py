@@ -32,8 +32,7 @@ then replay with no difference, and changing one recorded sampled token that
 produced a token event must make the replay name that line, step and
 request.
 
-Also a strict xfail: replay's summary does not count the requests a `die`
-record ended (the machine compares that count only when nothing died)."""
+Also: replay's summary counts the requests a `die` record ended."""
 
 from __future__ import annotations
 
@@ -147,7 +146,6 @@ class CoreMachine(RuleBasedStateMachine):
         self.history: dict[str, list[int]] = {o: [] for o in OWNERS}  # owner -> its committed turns' tokens
         self.flight: StepPlan | None = None
         self.submits = self.tokens = self.finals = 0
-        self.die_finals = 0  # finals that `die` gave
         self.dead = False
 
     # -- time ----------------------------------------------------------------
@@ -391,7 +389,6 @@ class CoreMachine(RuleBasedStateMachine):
         assert all(isinstance(e, FinalEvent) and e.finish_reason == "error" for e in events)
         assert sorted(e.request_id for e in events) == sorted(self.live)
         self.take(events)
-        self.die_finals += len(events)
         self.flight = None
         self.dead = True
 
@@ -512,8 +509,7 @@ class CoreMachine(RuleBasedStateMachine):
         summary = replay_trace(self.trace)
         assert summary.difference is None, summary.difference.report()
         assert (summary.submits, summary.tokens) == (self.submits, self.tokens)
-        if not self.die_finals:  # replay's summary does not count the finals a `die` record gives
-            assert summary.finals == self.finals
+        assert summary.finals == self.finals
         assert summary.lines == self.writer.lines - 1
         self.check_tampered_replay()
 
@@ -560,7 +556,6 @@ def test_engine_core_machine(checkpoint, tmp_path):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="replay's _feed counts no events of a `die` record in Summary.finals")
 def test_replay_counts_the_requests_death_ended(checkpoint, tmp_path):
     path, digest, tok = checkpoint
     trace = tmp_path / "trace.jsonl"

@@ -11,9 +11,8 @@ line, another trace version, another trioserve version, another
 checkpoint digest, a missing file) exits 2 with one line naming the line and
 no traceback; and --checkpoint finds a checkpoint that moved.
 
-Two tests are strict xfails for bugs in trioserve/core (see their reasons):
-a trace refused after its header was read is left open, and a renamed copy
-of the checkpoint is refused although it has the same bytes."""
+Also: a trace refused after its header was read leaves no file open, and a
+renamed copy of the checkpoint (the same bytes) replays."""
 
 from __future__ import annotations
 
@@ -43,7 +42,6 @@ KV_BYTES_PER_TOKEN = 512  # the tiny model in fp32
 # trace refused after the header was read (another checkpoint, none where the
 # header says) leaves the file to the garbage collector: a ResourceWarning.
 # Remove once fixed (test_a_refused_checkpoint_leaves_no_file_open then passes).
-LEAKS_THE_TRACE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
 
@@ -235,7 +233,7 @@ def header_with(**changes):
         (corrupt_record, "corrupt record"),
         (header_with(version=2), "trace format version 2"),
         (header_with(trioserve="0.0.1"), "recorded by trioserve 0.0.1"),
-        pytest.param(header_with(digest="sha256:" + "0" * 64), "recorded with checkpoint sha256:000", marks=LEAKS_THE_TRACE),
+        pytest.param(header_with(digest="sha256:" + "0" * 64), "recorded with checkpoint sha256:000"),
     ],
     ids=["truncated-last-line", "corrupt-json", "corrupt-record", "trace-version", "trioserve-version", "checkpoint-digest"],
 )
@@ -260,7 +258,6 @@ def test_a_corrupt_line_stops_model_mode_too(recorded, capsys, tmp_path):
     assert len(err.splitlines()) == 1 and f"bad.jsonl:{line}: not valid JSON" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="read_trace's file stays open (ResourceWarning) when replay_trace raises before reading a record")
 def test_a_refused_checkpoint_leaves_no_file_open(recorded, tmp_path):
     trace, _ = recorded
     lines, _ = header_with(digest="sha256:" + "0" * 64)(lines_of(trace))
@@ -296,7 +293,6 @@ def relocate(trace: Path, tmp_path: Path, checkpoint: Path, name: str) -> tuple[
     return moved, write(tmp_path / "relocated.jsonl", [json.dumps(head) + "\n", *lines[1:]])
 
 
-@LEAKS_THE_TRACE
 @pytest.mark.parametrize("flags", [(), ("--model",)], ids=["fast", "model"])
 def test_checkpoint_flag_finds_a_moved_checkpoint(recorded, capsys, tmp_path, tiny_checkpoints, flags):
     trace, _ = recorded
@@ -313,8 +309,6 @@ def test_checkpoint_flag_finds_a_moved_checkpoint(recorded, capsys, tmp_path, ti
     assert "identical" in out
 
 
-@LEAKS_THE_TRACE
-@pytest.mark.xfail(strict=True, reason="checkpoint_digest hashes a single file's name, so a renamed copy of the same bytes is refused")
 def test_checkpoint_flag_finds_a_renamed_checkpoint(recorded, capsys, tmp_path, tiny_checkpoints):
     """docs/replay.md: --checkpoint says where the checkpoint is now; it must
     still be the same bytes (nothing about its name)."""

@@ -93,7 +93,12 @@ def replay_trace(
     """Replay ``path``; the summary's ``difference`` is the first found.
     ``checkpoint`` overrides where the recorded checkpoint is found. Raises
     TraceError when the trace cannot be replayed."""
-    head, records = read_trace(path)
+    with read_trace(path) as reader:
+        return _replay(reader, path, checkpoint=checkpoint, model=model, runner_factory=runner_factory)
+
+
+def _replay(reader, path, *, checkpoint, model: bool, runner_factory) -> Summary:
+    head = reader.header
     source = checkpoint if checkpoint is not None else head.get("checkpoint", {}).get("path")
     tokenizer, compiler = _load_tokenizer(path, head, source)
     try:
@@ -106,7 +111,7 @@ def replay_trace(
         runner = (runner_factory or model_runner)(head, source)
     summary = Summary()
     pending: dict[int, StepResult] = {}  # step -> what the model gave, until its recorded result line
-    for number, record in records:
+    for number, record in reader:
         summary.lines += 1
         try:
             difference = _feed(core, record, number, compiler, summary, runner, pending)
@@ -155,7 +160,9 @@ def _feed(core: EngineCore, record: dict, line: int, compile_guide, summary: Sum
         return _compare(line, recorded.step, None, record["out"], actual)
     if kind == "die":
         events = core.die(record["cause"], now)
-        return _compare(line, None, None, record["out"], {"events": events_json(events)})
+        actual = {"events": events_json(events)}
+        _count(summary, actual["events"])
+        return _compare(line, None, None, record["out"], actual)
     raise ValueError(f"unknown input {kind!r}")
 
 

@@ -270,34 +270,55 @@ class Recording:
 
 
 # -- reading ------------------------------------------------------------------
-def read_trace(path: str | Path) -> tuple[dict, Iterator[tuple[int, dict]]]:
-    """The header (checked) and an iterator over (line number, record)."""
-    path = Path(path)
-    try:
-        file = path.open("rb")
-    except OSError as exc:
-        raise TraceError(path, 0, f"cannot open the trace: {exc.strerror or exc}") from None
-    first = file.readline()
-    if not first:
-        file.close()
-        raise TraceError(path, 1, "the trace is empty")
-    head = _parse(path, 1, first)
-    if head.get("format") != TRACE_FORMAT:
-        file.close()
-        raise TraceError(path, 1, f"not a trioserve trace (format {head.get('format')!r})")
-    if head.get("version") != TRACE_VERSION:
-        file.close()
-        raise TraceError(path, 1, f"trace format version {head.get('version')!r}; this trioserve reads version {TRACE_VERSION}")
-    if head.get("trioserve") != __version__:
-        file.close()
-        raise TraceError(path, 1, f"recorded by trioserve {head.get('trioserve')}; this is trioserve {__version__}")
+class TraceReader:
+    """A trace's checked header, and its records one by one as (line
+    number, record). Close it (or use it as a context manager) when done;
+    iterating to the end closes it too."""
 
-    def records() -> Iterator[tuple[int, dict]]:
-        with file:
-            for number, raw in enumerate(file, start=2):
-                yield number, _parse(path, number, raw)
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._file = self.path.open("rb")
+        except OSError as exc:
+            raise TraceError(self.path, 0, f"cannot open the trace: {exc.strerror or exc}") from None
+        try:
+            self.header = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
 
-    return head, records()
+    def _read_header(self) -> dict:
+        first = self._file.readline()
+        if not first:
+            raise TraceError(self.path, 1, "the trace is empty")
+        head = _parse(self.path, 1, first)
+        if head.get("format") != TRACE_FORMAT:
+            raise TraceError(self.path, 1, f"not a trioserve trace (format {head.get('format')!r})")
+        if head.get("version") != TRACE_VERSION:
+            raise TraceError(self.path, 1, f"trace format version {head.get('version')!r}; this trioserve reads version {TRACE_VERSION}")
+        if head.get("trioserve") != __version__:
+            raise TraceError(self.path, 1, f"recorded by trioserve {head.get('trioserve')}; this is trioserve {__version__}")
+        return head
+
+    def __iter__(self) -> Iterator[tuple[int, dict]]:
+        with self._file:
+            for number, raw in enumerate(self._file, start=2):
+                yield number, _parse(self.path, number, raw)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def read_trace(path: str | Path) -> TraceReader:
+    """Open a trace: TraceError (naming the line) if its header is not one
+    this trioserve can replay."""
+    return TraceReader(path)
 
 
 def _parse(path: Path, number: int, raw: bytes) -> dict:

@@ -147,12 +147,16 @@ def checkpoint_files(model: str | Path) -> list[Path]:
 
 
 def checkpoint_digest(model: str | Path) -> str:
-    """The checkpoint's identity: "sha256:" and the SHA-256 of its files'
-    bytes (each file's name and size, then its bytes, in a fixed order).
-    Blocking (about a tenth of a second per 100 MB): call it from a thread."""
+    """The checkpoint's identity: "sha256:" and the SHA-256 of its bytes --
+    a single file's bytes alone (a renamed copy is the same checkpoint); for
+    a directory, each file's name and size and then its bytes, in name
+    order. Blocking (about a tenth of a second per 100 MB): call it from a
+    thread."""
     digest = hashlib.sha256()
+    path = resolve_model_path(str(model))
     for file in checkpoint_files(model):
-        digest.update(f"{file.name}\0{file.stat().st_size}\0".encode())
+        if path.is_dir():
+            digest.update(f"{file.name}\0{file.stat().st_size}\0".encode())
         with file.open("rb") as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
