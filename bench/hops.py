@@ -2,7 +2,7 @@
 one run: inter-token latency at 1 stream over HTTP minus the forward step,
 tokens/s at 1 and 32 streams, and what recording a trace costs at 32.
 
-    .venv/bin/python bench/hops.py [--before REF] [--max-tokens 128] [--requests-32 64]
+    .venv/bin/python bench/hops.py [--before REF] [--threads 1] [--rounds 2] [--max-tokens 128]
 
 Variants, each a fresh server on the default model, measured one after the
 other with bench/serve.py (streaming chat, temperature 0, ignore_eos):
@@ -15,8 +15,13 @@ The forward step is timed in process on this tree's worker function
 (`actors.worker.forward_step`: building the step's inputs and the forward
 pass, as the worker thread runs it) for one decode row at the context the
 HTTP run sees, median of many steps, measured before and after the servers
-run; the per-token overhead is ITL p50 minus that median. Run on a quiet
-machine. The last line is one JSON object.
+run; the per-token overhead is ITL p50 minus that median. The servers and
+the in-process timing use ``--threads`` torch threads (default 1: on two
+cores shared with the load generator, two OpenMP threads that wait for
+each other double a step now and then, which swamps what is measured
+here). The variants run ``--rounds`` times in turn; each figure is the
+best of its rounds. Run on a quiet machine. The last line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -45,11 +50,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(tree: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def start(tree: Path, extra: list[str], log: Path, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(tree))
     code = "import sys; from trioserve.cli import main; sys.exit(main())"
-    cmd = [sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
+    cmd = [sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--threads", str(threads), *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(tree))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -82,9 +87,12 @@ def load(url: str, concurrency: int, requests: int, args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def forward_step_ms(context: int, steps: int) -> float:
+def forward_step_ms(context: int, steps: int, threads: int) -> float:
     """Median ms of the worker's forward_step for one decode row."""
     sys.path.insert(0, str(ROOT))
+    import torch
+
+    torch.set_num_threads(threads)
     from trioserve.actors.worker import forward_step
     from trioserve.engine import resolve_dtype
     from trioserve.models.checkpoint import load_checkpoint
@@ -118,31 +126,43 @@ def main() -> int:
     p.add_argument("--requests-1", type=int, default=4)
     p.add_argument("--requests-32", type=int, default=64)
     p.add_argument("--steps", type=int, default=200, help="decode steps timed in process (default 200)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the servers and of the step timing (default 1)")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant runs, in turn (default 2)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="trioserve-hops-"))
     before = work / "before"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before], check=True, capture_output=True)
     context = 200  # ~135 prompt tokens (with the template) + half of 128 outputs
     try:
-        step_ms = [forward_step_ms(context, args.steps)]
+        step_ms = [forward_step_ms(context, args.steps, args.threads)]
         variants = {"before": (before, []), "after": (ROOT, []), "after+record": (ROOT, ["--record", str(work / "traces")])}
-        results = {}
-        for name, (tree, extra) in variants.items():
-            proc, url = start(tree, extra, work / f"{name}.log")
-            try:
-                load(url, 4, 4, args)  # warm-up: the first steps of each shape build oneDNN kernels
-                one = load(url, 1, args.requests_1, args)
-                many = load(url, 32, args.requests_32, args)
-            finally:
-                stop(proc)
-            results[name] = {"itl_p50_ms": one["itl_ms"]["p50"], "tokens_per_s": {"1": one["tokens_per_s"], "32": many["tokens_per_s"]}}
-            print(f"{name}: {results[name]}", flush=True)
-        step_ms.append(forward_step_ms(context, args.steps))
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for round_ in range(args.rounds):
+            for name, (tree, extra) in variants.items():
+                proc, url = start(tree, extra, work / f"{name}-{round_}.log", args.threads)
+                try:
+                    load(url, 4, 4, args)  # warm-up: the first steps of each shape build oneDNN kernels
+                    one = load(url, 1, args.requests_1, args)
+                    many = load(url, 32, args.requests_32, args)
+                finally:
+                    stop(proc)
+                run = {"itl_p50_ms": one["itl_ms"]["p50"], "tokens_per_s": {"1": one["tokens_per_s"], "32": many["tokens_per_s"]}}
+                runs[name].append(run)
+                print(f"round {round_ + 1} {name}: {run}", flush=True)
+        step_ms.append(forward_step_ms(context, args.steps, args.threads))
+        results = {
+            name: {
+                "itl_p50_ms": min(r["itl_p50_ms"] for r in rs),
+                "tokens_per_s": {k: max(r["tokens_per_s"][k] for r in rs) for k in ("1", "32")},
+            }
+            for name, rs in runs.items()
+        }
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     step = statistics.mean(step_ms)
-    print(f"\nforward step, 1 decode row at context {context}: {step_ms[0]:.2f} ms before the servers ran, {step_ms[1]:.2f} ms after")
+    print(f"\nforward step, 1 decode row at context {context}, {args.threads} thread(s): {step_ms[0]:.2f} ms before the servers ran, {step_ms[1]:.2f} ms after")
+    print(f"best of {args.rounds} round(s) per variant:")
     print("| variant | ITL p50 ms | ITL p50 - step ms | tok/s at 1 | tok/s at 32 |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
