@@ -7,10 +7,16 @@ bookkeeping, channel and thread hops, sampling, detokenizing. Pairing each
 gap with its own step removes the step's run-to-run noise, which on this
 machine is larger than what is measured.
 
-Runs against whichever trioserve is first on sys.path (bench/hops.py runs
-it on the "before" and "after" trees). Prints one JSON object.
+With ``--http`` the same pairing runs over HTTP: the server runs in this
+process (serve_app on 127.0.0.1), the client -- a streaming chat request --
+in another process, and each SSE chunk's arrival (one per token; the
+clocks are the same CLOCK_MONOTONIC) is paired with its step. What is left
+then includes the SSE chunk, the socket write and the client's read.
 
-    PYTHONPATH=TREE .venv/bin/python bench/hops_paired.py [--tokens 256] [--threads 1]
+Runs against whichever trioserve is first on sys.path. Prints one JSON
+object.
+
+    PYTHONPATH=TREE .venv/bin/python bench/hops_paired.py [--tokens 128] [--threads 1] [--http]
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -38,8 +46,9 @@ else:  # before it
     STEP_FUNCTION = "run_step"
 
 
-async def measure(tokens: int, repeats: int) -> dict:
-    durations: list[float] = []  # forward-pass calls, in order
+def time_steps() -> list[float]:
+    """Wrap the worker's forward-pass call; the list its durations go to."""
+    durations: list[float] = []
     real = getattr(worker, STEP_FUNCTION)
 
     def timed(*args):
@@ -50,6 +59,59 @@ async def measure(tokens: int, repeats: int) -> dict:
             durations.append(time.perf_counter() - started)
 
     setattr(worker, STEP_FUNCTION, timed)
+    return durations
+
+
+def summary(gaps: list[float], overheads: list[float]) -> dict:
+    return {
+        "gap_p50_ms": round(statistics.median(gaps) * 1000, 3),
+        "step_p50_ms": round(statistics.median(g - o for g, o in zip(gaps, overheads)) * 1000, 3),
+        "overhead_p50_ms": round(statistics.median(overheads) * 1000, 3),
+        "overhead_p90_ms": round(statistics.quantiles(overheads, n=10)[-1] * 1000, 3),
+        "tokens": len(gaps),
+    }
+
+
+# The client: one streaming chat request; prints each SSE data line's arrival time.
+CLIENT = """
+import json, sys, time, httpx
+url, tokens = sys.argv[1], int(sys.argv[2])
+body = {"messages": [{"role": "user", "content": "word " * 120}], "stream": True,
+        "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+times = []
+with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            times.append(time.perf_counter())
+print(json.dumps(times))
+"""
+
+
+async def measure_http(tokens: int, repeats: int) -> dict:
+    from trioserve.config import ServerSettings  # noqa: PLC0415
+    from trioserve.http.serve import serve_app  # noqa: PLC0415
+
+    durations = time_steps()
+    settings = ServerSettings(engine=EngineConfig(kv_cache_bytes=64 << 20), port=0, log_level="warning")
+    gaps: list[float] = []
+    overheads: list[float] = []
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(lambda task_status: serve_app(settings, shutdown_trigger=trio.sleep_forever, task_status=task_status))
+        url = next(u for u in urls if u.startswith("http://127.0.0.1:"))
+        for attempt in range(repeats + 1):  # the first run warms the kernels up
+            durations.clear()
+            done = await trio.run_process([sys.executable, "-c", CLIENT, url, str(tokens)], capture_stdout=True)
+            times = json.loads(done.stdout)[1:]  # the role chunk first; then one chunk per token, the last with the final
+            run_gaps = [b - a for a, b in zip(times[: tokens - 1], times[1:tokens])]
+            if attempt:
+                gaps += run_gaps
+                overheads += [g - d for g, d in zip(run_gaps, durations[1:tokens])]
+        nursery.cancel_scope.cancel()
+    return summary(gaps, overheads)
+
+
+async def measure(tokens: int, repeats: int) -> dict:
+    durations = time_steps()
     overheads: list[float] = []
     gaps: list[float] = []
     async with open_engine(EngineConfig(kv_cache_bytes=64 << 20)) as engine:
@@ -66,13 +128,7 @@ async def measure(tokens: int, repeats: int) -> dict:
             run_overheads = [g - d for g, d in zip(run_gaps, durations[1:tokens])]
             gaps, overheads = gaps + run_gaps, overheads + run_overheads
         gaps, overheads = gaps[tokens - 1 :], overheads[tokens - 1 :]  # drop the warm-up run
-    return {
-        "gap_p50_ms": round(statistics.median(gaps) * 1000, 3),
-        "step_p50_ms": round(statistics.median(g - o for g, o in zip(gaps, overheads)) * 1000, 3),
-        "overhead_p50_ms": round(statistics.median(overheads) * 1000, 3),
-        "overhead_p90_ms": round(statistics.quantiles(overheads, n=10)[-1] * 1000, 3),
-        "tokens": len(gaps),
-    }
+    return summary(gaps, overheads)
 
 
 def main() -> None:
@@ -80,9 +136,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--http", action="store_true", help="pair over HTTP (server here, client in another process)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(json.dumps(trio.run(measure, args.tokens, args.repeats)))
+    print(json.dumps(trio.run(measure_http if args.http else measure, args.tokens, args.repeats)))
 
 
 if __name__ == "__main__":
