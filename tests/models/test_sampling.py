@@ -422,3 +422,20 @@ def test_validate_accepts_the_edges() -> None:
         stop_token_ids=(0, VOCAB - 1),
     ).validate(VOCAB)
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=0.01).greedy
+
+
+def test_greedy_ties_take_the_lowest_id() -> None:
+    """Step 4's rule: among equal largest logits a greedy row takes the
+    lowest id, whatever else shares the step (a greedy row alone, and among
+    sampled rows), and a masked-out (-inf) row position never wins."""
+    logits = torch.full((3, 300), -5.0)
+    logits[0, [7, 3, 250]] = 2.5  # three-way tie: 3
+    logits[1, [299, 100]] = 1.0  # 100
+    logits[2, :] = float("-inf")
+    logits[2, [42, 43]] = 0.0  # 42
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SampleRow(greedy, seed=0, draw_index=0) for _ in range(3)]
+    assert [s.token for s in sample_rows(logits, rows)] == [3, 100, 42]
+    mixed = [rows[0], SampleRow(SamplingParams(temperature=1.0), seed=1, draw_index=0), rows[2]]
+    picked = sample_rows(logits, mixed)
+    assert (picked[0].token, picked[2].token) == (3, 42) and picked[0].draws == 0
