@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from pathlib import Path
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import attrs
 import torch
@@ -61,8 +61,8 @@ class Engine:
         self.trace_path: Path | None = None  # the trace being written (config.record_dir), if any
 
     def statistics(self) -> EngineStats:
-        """The latest frozen snapshot the scheduler published."""
-        return self._scheduler.snapshot
+        """A frozen snapshot of the engine's statistics, made now."""
+        return self._scheduler.snapshot()
 
     def settle_retained(self, owner: str, request_id: str, *, commit: bool) -> None:
         """An owner's turn (request ``request_id``, submitted with

@@ -28,7 +28,10 @@ from trioserve.types import Event, FinalEvent, StepResult
 class Scheduler:
     """The actor's state. Only its own two tasks and `settle` (called from
     other tasks on the same event loop, never blocking) touch the core;
-    others read `snapshot`, a frozen record replaced after every change."""
+    others read `snapshot()`, a frozen record of the statistics. It is made
+    when first asked for after a change (the core's latency windows are
+    thousands of values), so a step with no reader pays nothing for it, and
+    readers between two changes share one record."""
 
     def __init__(self, core: EngineCore, worker: trio.MemorySendChannel[StepRequest], clock=trio.current_time) -> None:
         self.core = core  # an EngineCore, or a core/trace.py Recording of one
@@ -36,7 +39,7 @@ class Scheduler:
         self.clock = clock
         self.channels: dict[str, trio.MemorySendChannel[Event]] = {}
         self.wake = trio.Event()
-        self.snapshot: EngineStats = core.snapshot()
+        self._snapshot: EngineStats | None = None  # None: changed since the last one was made
 
     # -- intake ------------------------------------------------------------
     async def intake(self, inbox: trio.MemoryReceiveChannel[SchedulerMessage]) -> None:
@@ -115,7 +118,13 @@ class Scheduler:
                 self.core.cancel(event.request_id, self.clock())  # the consumer is gone
 
     def _refresh(self) -> None:
-        self.snapshot = self.core.snapshot()
+        self._snapshot = None
+
+    def snapshot(self) -> EngineStats:
+        """The engine's statistics as of the last change."""
+        if self._snapshot is None:
+            self._snapshot = self.core.snapshot()
+        return self._snapshot
 
 
 def _refuse_queued(inbox: trio.MemoryReceiveChannel[SchedulerMessage]) -> None:

@@ -18,19 +18,18 @@ import attrs
 import trio
 from quart import Response
 
-from trioserve.types import FinalEvent, GenerateRequest
 from trioserve.http import openai
-from trioserve.http.in_flight import at_request_end
 from trioserve.http.errors import HTTPError, error_response, json_response, to_response
+from trioserve.http.in_flight import at_request_end
 from trioserve.models.output_parser import OutputParser
-from trioserve.types import SEED_LIMIT
+from trioserve.types import FinalEvent, GenerateRequest, fold_seed
 
 
 def seed_for(params, index: int):
     """Choice ``index`` of n: seed + index, so every choice is reproducible."""
     if params.seed is None or index == 0:
         return params
-    return attrs.evolve(params, seed=(params.seed + index) % SEED_LIMIT)
+    return attrs.evolve(params, seed=fold_seed(params.seed + index))
 
 
 class Connection:
