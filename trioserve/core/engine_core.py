@@ -219,10 +219,6 @@ class EngineCore:
 
     # -- reading -----------------------------------------------------------
     @property
-    def dead(self) -> str | None:
-        return self.stats.dead
-
-    @property
     def in_flight(self) -> StepPlan | None:
         return None if self._in_flight is None else self._in_flight.plan
 

@@ -232,10 +232,6 @@ class Recording:
     def policy(self):
         return self.core.policy
 
-    @property
-    def dead(self) -> str | None:
-        return self.core.dead
-
     def snapshot(self):
         return self.core.snapshot()
 
