@@ -11,7 +11,11 @@ with a 100-token prompt, compared bit for bit against itself
 - the same chunkings with the fused attention kernel (taken by chunks of 64
   or more queries) switched off, so every chunk takes the matmul path.
 
-    .venv/bin/python bench/invariance_probe.py [--threads 2]
+    .venv/bin/python bench/invariance_probe.py [--threads 2] [--batch-invariant]
+
+With --batch-invariant the model runs its fixed-order arithmetic (the
+server's default since #11) and the last comparisons are replaced by
+chunkings at random boundaries and by decode-written vs prefill-written KV.
 
 Prints one line per comparison: the largest absolute logit difference and
 whether the logits are bit-identical. Findings: docs/determinism.md.
@@ -38,15 +42,17 @@ BLOCK = 16
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-invariant", action="store_true", help="the fixed-order arithmetic")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = LlamaModel.from_checkpoint(load_checkpoint("smollm2", dtype=resolve_dtype("auto")), use_int4=True)
+    checkpoint = load_checkpoint("smollm2", dtype=resolve_dtype("auto"))
+    model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=args.batch_invariant)
     pool = BlockPool(4000, BLOCK)
     cache = model.new_kv_cache(pool.num_blocks, BLOCK)
     rng = random.Random(0)
 
     def forward(chunks):
-        return model.forward(build_step(chunks, BLOCK), cache).float()
+        return model.forward(build_step(chunks, BLOCK, fixed=args.batch_invariant), cache).float()
 
     def prefill(name, ids, chunk):
         pool.free_sequence(name)
@@ -79,11 +85,35 @@ def main() -> None:
     t = pool.grow("t", len(target) + 8)
     mixed = [SeqChunk([7], len(ids), tt, decode=True) for ids, tt in others[:8]] + [SeqChunk(target, 0, t)]
     report("prefill beside 8 decode rows", forward(mixed)[-1], whole)
+    if args.batch_invariant:
+        fixed_only(rng, target, whole, prefill, forward, report, pool)
+        return
     step_module.SDPA_MIN_QUERIES = reference.SDPA_MIN_QUERIES = 10**9
     matmul_whole = prefill("t", target, len(target))[1]
     report("one chunk: matmul path vs fused kernel", matmul_whole, whole)
     for chunk in (64, 37, 16, 1):
         report(f"matmul path only: prefill in chunks of {chunk}", prefill("t", target, chunk)[1], matmul_whole)
+
+
+def fixed_only(rng, target, whole, prefill, forward, report, pool):
+    """Chunk boundaries at random places, and a prompt's second half
+    written by decoding token by token vs by prefilling."""
+    for trial in range(5):
+        cuts = sorted(rng.sample(range(1, len(target)), rng.randrange(1, 6)))
+        pool.free_sequence("t")
+        t = pool.grow("t", len(target) + 8)
+        start = 0
+        for end in [*cuts, len(target)]:
+            out = forward([SeqChunk(target[start:end], start, t)])[-1]
+            start = end
+        report(f"prefill cut at {cuts}", out, whole)
+    pool.free_sequence("t")
+    t = pool.grow("t", len(target) + 8)
+    half = len(target) // 2
+    forward([SeqChunk(target[:half], 0, t)])
+    for pos in range(half, len(target)):
+        out = forward([SeqChunk([target[pos]], pos, t, decode=True)])[-1]
+    report("second half decoded token by token", out, whole)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | 
     that says why there are none."""
     try:
         chunks = [SeqChunk(r.token_ids, r.start, r.block_table, r.decode) for r in plan.rows]
-        batch = build_step(chunks, block_size, model.device)
+        batch = build_step(chunks, block_size, model.device, fixed=model.batch_invariant)
         if int(batch.positions.max()) >= model.config.max_position:
             raise StepRefused(f"position {int(batch.positions.max())} is past the model's context")
     except (ValueError, StepRefused) as exc:

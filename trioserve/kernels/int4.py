@@ -65,6 +65,25 @@ def concat_rows(parts: list[Int4Parts]) -> Int4Parts:
     )
 
 
+# Rows per call of `tiled_linear` (batch-invariant mode).
+ROW_TILE = 16
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every row gets the same arithmetic whatever the other
+    rows: the rows are padded to a multiple of ROW_TILE and multiplied
+    ROW_TILE at a time. One call of F.linear picks its blocking by the row
+    count, and a row then rounds differently beside more or fewer rows
+    (docs/determinism.md); a call of fixed shape always runs the same
+    kernel, and a row's place inside the tile was measured not to matter."""
+    rows = x.shape[0]
+    padded = -(-rows // ROW_TILE) * ROW_TILE
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    out = torch.cat([F.linear(x[s : s + ROW_TILE], weight, bias) for s in range(0, padded, ROW_TILE)])
+    return out[:rows]
+
+
 class Projection:
     """y = x @ W.T, with W held in the model dtype and, when given, also as
     packed int4 used for the leading ``int4_rows`` rows of a call."""
@@ -84,6 +103,16 @@ class Projection:
         if int4_rows >= x.shape[0]:
             return self._int4(x)
         return torch.cat([self._int4(x[:int4_rows]), F.linear(x[int4_rows:], self.weight, self.bias)])
+
+    def fixed(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant: every row through the int4 kernel when there is
+        one (it computes each row on its own: the same bits for 1 to 512
+        rows, measured), else `tiled_linear`. Prompt and generated tokens
+        then share one path, so KV a session kept from decoding equals what
+        prefilling the same text writes."""
+        if self.packed is not None:
+            return self._int4(x)
+        return tiled_linear(x, self.weight, self.bias)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)

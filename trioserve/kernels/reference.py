@@ -51,6 +51,7 @@ def paged_attention(
     scale: float,
     *,
     flash: bool | None = None,
+    fixed: bool = False,
     gather_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new tokens to its cached keys.
@@ -62,6 +63,10 @@ def paged_attention(
     context length. Prefill chunks and single decode tokens mix freely.
 
     flash: use torch's fused kernel (default: when max_q >= SDPA_MIN_QUERIES).
+    fixed: batch-invariant arithmetic (`fixed_order_attention`): every row's
+    result depends only on its own query, keys and values, never on the
+    other rows, their number or the padded key length, which must then be a
+    multiple of KV_TILE. Overrides ``flash``.
     gather_into: two buffers of at least KVH * S * MB * block_size * D
     elements of the cache's dtype that the gathered keys and values are
     written to, so a step allocates nothing that large (see `_gather_blocks`).
@@ -82,7 +87,9 @@ def paged_attention(
     values = _gather_blocks(v_cache, block_tables, v_out)
     if flash is None:
         flash = max_q >= SDPA_MIN_QUERIES
-    if flash:
+    if fixed:
+        out = fixed_order_attention(padded.view(n_seqs, max_q, heads, dim), keys, values, mask, scale)
+    elif flash:
         out = F.scaled_dot_product_attention(
             padded.view(n_seqs, max_q, heads, dim).transpose(1, 2),
             keys.transpose(0, 1),
@@ -135,4 +142,47 @@ def _grouped_attention(
     allowed = mask[:, None].expand(n_seqs, group, n_q, length).reshape(n_seqs, group * n_q, length)
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
     out = torch.matmul(probs, values).view(kv_heads, n_seqs, group, n_q, dim)
+    return out.permute(1, 3, 0, 2, 4).reshape(n_seqs, n_q, heads, dim)
+
+
+# Keys per tile of `fixed_order_attention`'s reduction: a multiple of the
+# vector width, large enough that few partial sums are left to add.
+KV_TILE = 128
+
+
+def fixed_order_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`_grouped_attention` with a reduction order fixed per row, whatever
+    shares the call (batch-invariant mode; docs/determinism.md).
+
+    Measured here: the scores matmul (a dot product over the head dim) and
+    the softmax over a key row padded with masked keys give each row the
+    same bits whatever the other rows and the padded length. The
+    probabilities-times-values matmul does not: its reduction runs over the
+    key length, and the kernel blocks it differently for different lengths,
+    zeros included. So that product is taken tile by tile, KV_TILE keys
+    each, every tile through a matmul of the same inner size, and the
+    per-tile results are summed in fp32 by a pairwise tree whose pairs are
+    fixed by tile index. Tiles past a row's last key hold zero
+    probabilities and add exact zeros, so padding never changes a sum.
+    q [S, Q, H, D]; keys, values [KVH, S, L, D] with L a multiple of
+    KV_TILE; mask [S, Q, L]. Returns [S, Q, H, D] in q's dtype."""
+    n_seqs, n_q, heads, dim = q.shape
+    kv_heads, length = keys.shape[0], keys.shape[2]
+    if length % KV_TILE:
+        raise ValueError(f"fixed-order attention needs a key length that is a multiple of {KV_TILE}, got {length}")
+    group, tiles = heads // kv_heads, length // KV_TILE
+    rows = q.view(n_seqs, n_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, n_seqs, group * n_q, dim)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(scale)
+    allowed = mask[:, None].expand(n_seqs, group, n_q, length).reshape(n_seqs, group * n_q, length)
+    probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).to(q.dtype)
+    # [KVH, S, tiles, rows, KV_TILE] @ [KVH, S, tiles, KV_TILE, D]: one partial product per tile.
+    by_tile = probs.view(kv_heads, n_seqs, group * n_q, tiles, KV_TILE).transpose(2, 3).contiguous()
+    partial = torch.matmul(by_tile, values.view(kv_heads, n_seqs, tiles, KV_TILE, dim)).float()
+    while partial.shape[2] > 1:
+        if partial.shape[2] % 2:
+            partial = torch.cat([partial, partial.new_zeros(partial[:, :, :1].shape)], dim=2)
+        partial = partial[:, :, 0::2] + partial[:, :, 1::2]
+    out = partial[:, :, 0].to(q.dtype).view(kv_heads, n_seqs, group, n_q, dim)
     return out.permute(1, 3, 0, 2, 4).reshape(n_seqs, n_q, heads, dim)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import reference as ops
-from trioserve.kernels.int4 import Int4Parts, Projection, concat_rows
+from trioserve.kernels.int4 import Int4Parts, Projection, concat_rows, tiled_linear
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
@@ -77,10 +77,20 @@ class LlamaModel:
         *,
         int4: Mapping[str, Int4Parts] | None = None,
         device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
-        small batches when the weights are bf16 on CPU."""
+        generated tokens when the weights are bf16 on CPU (for every token
+        when batch-invariant).
+
+        ``batch_invariant``: every row's arithmetic is fixed, whatever else
+        shares its step and however its prompt was chunked
+        (docs/determinism.md): projections through the int4 kernel or
+        fixed-size row tiles, the output head in row tiles, attention by
+        `fixed_order_attention`. Steps must then be built with
+        ``build_step(..., fixed=True)``."""
         self.config = config
+        self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
@@ -124,8 +134,16 @@ class LlamaModel:
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, *, use_int4: bool = True, device: str | torch.device = "cpu") -> LlamaModel:
-        return cls(checkpoint.config, checkpoint.weights, int4=checkpoint.int4 if use_int4 else None, device=device)
+    def from_checkpoint(
+        cls,
+        checkpoint: Checkpoint,
+        *,
+        use_int4: bool = True,
+        device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
+    ) -> LlamaModel:
+        int4 = checkpoint.int4 if use_int4 else None
+        return cls(checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant)
 
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token_element * self.embed.element_size()
@@ -145,6 +163,8 @@ class LlamaModel:
         c = self.config
         if int(batch.positions.max()) >= c.max_position:
             raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
+        if batch.fixed != self.batch_invariant:
+            raise ValueError(f"a step built with fixed={batch.fixed} for a model with batch_invariant={self.batch_invariant}")
         n_q = c.num_heads * c.head_dim
         n_kv = c.num_kv_heads * c.head_dim
         real = batch.num_tokens  # then pad tokens, which are computed but never stored or read back
@@ -157,9 +177,13 @@ class LlamaModel:
         # decoding. Norm outputs are cast back to the weights' dtype for matmuls.
         h = F.embedding(batch.token_ids, self.embed).float()
         d = batch.num_decode  # leading decode tokens: 4-bit weights where the model has them
+
+        def project(p: Projection, x: torch.Tensor) -> torch.Tensor:
+            return p.fixed(x) if self.batch_invariant else p(x, d)
+
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.attn_norm, c.rms_eps).to(self.dtype)
-            qkv = layer.qkv(x, d)
+            qkv = project(layer.qkv, x)
             q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
@@ -167,11 +191,13 @@ class LlamaModel:
             k = ops.apply_rope(k, cos, sin)
             ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k[:real], v[:real].contiguous())
             attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
-            h = h + layer.o(attn.reshape(-1, n_q), d)
+            h = h + project(layer.o, attn.reshape(-1, n_q))
             x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps).to(self.dtype)
-            gate, up = layer.gate_up(x, d).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up, d)
+            gate, up = project(layer.gate_up, x).chunk(2, dim=-1)
+            h = h + project(layer.down, F.silu(gate) * up)
         last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
+        if self.batch_invariant:
+            return tiled_linear(last, self.lm_head).float()
         return F.linear(last, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, gather) -> torch.Tensor:
@@ -180,13 +206,16 @@ class LlamaModel:
         rows are zeros."""
         if len(batch.groups) == 1 and batch.groups[0].count == q.shape[0]:
             g = batch.groups[0]
-            return ops.paged_attention(q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, gather_into=gather)
+            return ops.paged_attention(
+                q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, fixed=g.fixed, gather_into=gather
+            )
         out = q.new_empty(q.shape)
         end = 0
         for g in batch.groups:
             end = g.first + g.count
             out[g.first : end] = ops.paged_attention(
-                q[g.first : end], k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, gather_into=gather
+                q[g.first : end], k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale,
+                flash=g.flash, fixed=g.fixed, gather_into=gather,
             )
         out[end:].zero_()
         return out

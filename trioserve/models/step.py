@@ -13,12 +13,13 @@ the cache nor read back, and padded keys are masked out."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from trioserve.kernels.reference import SDPA_MIN_QUERIES
+from trioserve.kernels.reference import KV_TILE, SDPA_MIN_QUERIES
 
 
 def bucket(n: int) -> int:
@@ -58,7 +59,9 @@ class AttentionGroup:
     chunk's length.
 
     flash: use the fused attention kernel; decided from the real longest
-    chunk (not its bucket), so padding never switches kernels."""
+    chunk (not its bucket), so padding never switches kernels.
+    fixed: batch-invariant attention (kernels.reference.fixed_order_attention);
+    the key length is then a multiple of KV_TILE."""
 
     first: int
     count: int
@@ -66,6 +69,7 @@ class AttentionGroup:
     pad_index: torch.Tensor  # [count] long, place of each token in [S * max_q]
     mask: torch.Tensor  # [S, max_q, MB * block_size] bool, True = may attend
     flash: bool
+    fixed: bool = False
 
 
 @attrs.frozen
@@ -82,6 +86,7 @@ class StepBatch:
     num_decode: int = 0  # the first num_decode tokens are decode tokens
     block_size: int = 1
     chunks: tuple[SeqChunk, ...] = ()
+    fixed: bool = False  # batch-invariant arithmetic (LlamaModel.batch_invariant)
 
     @property
     def num_seqs(self) -> int:
@@ -153,27 +158,37 @@ def _mask(chunks: Sequence[SeqChunk], max_q: int, keys: int, device) -> torch.Te
     return mask.to(device)
 
 
-def _group(chunks: Sequence[SeqChunk], first: int, block_size: int, buckets: bool, device) -> AttentionGroup:
+def _group(chunks: Sequence[SeqChunk], first: int, block_size: int, buckets: bool, fixed: bool, device) -> AttentionGroup:
     longest = max(len(c.token_ids) for c in chunks)
     most_blocks = max(len(c.block_table) for c in chunks)
     max_q = bucket(longest) if buckets else longest
     max_blocks = bucket(most_blocks) if buckets else most_blocks
+    if fixed:  # whole KV tiles: a multiple of both the block size and KV_TILE keys
+        per_tile = math.lcm(block_size, KV_TILE) // block_size
+        max_blocks = -(-max_blocks // per_tile) * per_tile
     return AttentionGroup(
         first=first,
         count=sum(len(c.token_ids) for c in chunks),
         block_tables=_block_tables(chunks, max_blocks, device),
         pad_index=_pad_index(chunks, max_q, device),
         mask=_mask(chunks, max_q, max_blocks * block_size, device),
-        flash=longest >= SDPA_MIN_QUERIES,
+        flash=not fixed and longest >= SDPA_MIN_QUERIES,
+        fixed=fixed,
     )
 
 
 def build_step(
-    chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu", *, buckets: bool = True
+    chunks: Sequence[SeqChunk],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    buckets: bool = True,
+    fixed: bool = False,
 ) -> StepBatch:
     """Pack ``chunks`` into one StepBatch; ``buckets=False`` pads nothing
-    (the same results, for tests). Raises ValueError when a chunk is empty
-    or its block table does not cover its new tokens."""
+    (the same results, for tests); ``fixed`` lays attention out for the
+    batch-invariant path. Raises ValueError when a chunk is empty or its
+    block table does not cover its new tokens."""
     num_decode = _check(chunks, block_size)
     ids: list[int] = []
     positions: list[int] = []
@@ -194,9 +209,9 @@ def build_step(
         positions.extend([0] * pad)
     groups = []
     if num_decode:
-        groups.append(_group(chunks[:num_decode], 0, block_size, buckets, device))
+        groups.append(_group(chunks[:num_decode], 0, block_size, buckets, fixed, device))
     if num_decode < len(chunks):
-        groups.append(_group(chunks[num_decode:], num_decode, block_size, buckets, device))
+        groups.append(_group(chunks[num_decode:], num_decode, block_size, buckets, fixed, device))
     return StepBatch(
         token_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -206,4 +221,5 @@ def build_step(
         num_decode=num_decode,
         block_size=block_size,
         chunks=tuple(chunks),
+        fixed=fixed,
     )
