@@ -165,6 +165,10 @@ class WrappedModel:
         return self.inner.device
 
     @property
+    def batch_invariant(self):
+        return self.inner.batch_invariant
+
+    @property
     def dtype(self):
         return self.inner.dtype
 
@@ -226,7 +230,7 @@ async def test_sixteen_concurrent_requests_equal_their_solo_runs(ckpt):
     requests = sixteen_requests(ckpt.tokenizer.vocab_size)
     with trio.fail_after(30):
         solo = await solo_runs(ckpt, requests)
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt))
+        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True))
         together: dict[int, Outcome] = {}
         async with open_engine(config(max_num_seqs=6, prefill_budget=24), checkpoint=ckpt, model=model) as engine:
 
@@ -485,7 +489,7 @@ async def test_admission_never_over_commits_the_pool(ckpt):
     assert {reserve(r) for r in requests} == {3}
     with trio.fail_after(20):
         solo = await solo_runs(ckpt, requests)
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt))
+        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True))
         async with open_engine(config(blocks=9, max_num_seqs=6), checkpoint=ckpt, model=model) as engine:
             watcher = Watcher(engine)
             results: dict[int, Outcome] = {}
@@ -760,7 +764,7 @@ async def test_refused_step_fails_only_its_rows(ckpt):
     with trio.fail_after(20):
         solo = await solo_runs(ckpt, requests)
         gate = threading.Event()
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt), fail_call=2, mode="refuse", gate=gate)
+        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=2, mode="refuse", gate=gate)
         results: dict[int, Outcome] = {}
         async with open_engine(config(max_num_seqs=3, prefill_budget=24), checkpoint=ckpt, model=model) as engine:
             async with trio.open_nursery() as nursery:
@@ -793,7 +797,7 @@ async def test_half_applied_step_kills_the_engine(ckpt):
     with trio.fail_after(20):
         requests = fault_requests(ckpt.tokenizer.vocab_size)
         gate = threading.Event()
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt), fail_call=3, mode="half", gate=gate)
+        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=3, mode="half", gate=gate)
         results: dict[int, Outcome] = {}
         async with open_engine(config(max_num_seqs=2), checkpoint=ckpt, model=model) as engine:
             async with trio.open_nursery() as nursery:

@@ -25,9 +25,10 @@ def checkpoint():
     return load_checkpoint("smollm2", dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def smollm2(checkpoint):
-    model = LlamaModel.from_checkpoint(checkpoint)
+@pytest.fixture(scope="module", params=[True, False], ids=["batch-invariant", "batch-dependent"])
+def smollm2(checkpoint, request):
+    """The model in the server's default arithmetic and in --no-batch-invariant's."""
+    model = LlamaModel.from_checkpoint(checkpoint, batch_invariant=request.param)
     tok = checkpoint.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
     return model, tok, template
@@ -48,7 +49,7 @@ def test_checkpoint_shape(smollm2):
 async def test_greedy_answer_names_paris(smollm2, checkpoint):
     """Through the engine, as the server and `trioserve generate` run it."""
     model, tok, template = smollm2
-    config = EngineConfig(model="smollm2", dtype="bfloat16")
+    config = EngineConfig(model="smollm2", dtype="bfloat16", batch_invariant=model.batch_invariant)
     async with open_engine(config, checkpoint=checkpoint, model=model) as engine:
         request = GenerateRequest(chat_ids(tok, template, "What is the capital of France?"), SamplingParams(max_tokens=32, temperature=0))
         events = [event async for event in engine.generate(request)]
@@ -66,7 +67,7 @@ def greedy_together(model, tok, prompts: list[list[int]], max_tokens: int, pool:
     cache = model.new_kv_cache(pool.num_blocks, BLOCK)
     tables = [pool.grow(i, len(p) + max_tokens) for i, p in enumerate(prompts)]
     assert pool.stats().used_blocks > 0
-    logits = model.forward(build_step([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], BLOCK), cache)
+    logits = model.forward(build_step([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], BLOCK, fixed=model.batch_invariant), cache)
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     while live:
@@ -80,7 +81,7 @@ def greedy_together(model, tok, prompts: list[list[int]], max_tokens: int, pool:
         if not live:
             break
         chunks = [SeqChunk([outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1, tables[s], decode=True) for s in live]
-        logits = model.forward(build_step(chunks, BLOCK), cache)
+        logits = model.forward(build_step(chunks, BLOCK, fixed=model.batch_invariant), cache)
     return outputs
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, EngineConfig, parse_byte_size, parse_size_or_auto
+from trioserve.config import DTYPE_NAMES, EngineConfig, batch_invariant_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="the request's seed, as the server takes it: any integer (default 0)")
     gen.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    _batch_invariant_flag(gen)
 
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
     srv.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, help="most KV memory the prefix cache keeps for idle blocks, e.g. 64MiB (default: as much as fits)")
     srv.add_argument("--prefix-cache-idle", type=_positive_float, default=None, help="seconds an unused cached block is kept (default: until room is needed)")
+    _batch_invariant_flag(srv)
     srv.add_argument("--record", metavar="DIR", default=os.environ.get("TRIOSERVE_RECORD") or None, help="write a trace of every engine input to a new file in DIR, for `trioserve replay` (default: $TRIOSERVE_RECORD, else off)")
     srv.add_argument("--reasoning-parser", choices=("auto", "on", "off"), default="auto", help="split <think>...</think> into reasoning_content (auto: when the tokenizer has <think> as one token)")
     srv.add_argument("--max-sessions", type=_positive_int, default=1024, help="sessions kept at once; idle ones beyond go least recently used first (default 1024)")
@@ -147,11 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-def generate_engine_config(model: str, dtype: str) -> EngineConfig:
+def _batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a request's output never depends on what shares its steps (default: $TRIOSERVE_BATCH_INVARIANT, else on); "
+        "--no-batch-invariant is faster on long prompts (docs/determinism.md)",
+    )
+
+
+def generate_engine_config(model: str, dtype: str, batch_invariant: bool = True) -> EngineConfig:
     """The engine `trioserve generate` opens: the one `trioserve serve
     --model MODEL --dtype DTYPE` opens (serve's other defaults are
     EngineConfig's), so the same request gives the same text."""
-    return EngineConfig(model=model, dtype=dtype)
+    return EngineConfig(model=model, dtype=dtype, batch_invariant=batch_invariant)
 
 
 def generate_request_body(args: argparse.Namespace) -> dict:
@@ -180,7 +192,7 @@ def _generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     request = parse_chat_request(generate_request_body(args))
     params = sampling_params(request, default_max_tokens=args.max_tokens)
-    config = generate_engine_config(args.model, args.dtype)
+    config = generate_engine_config(args.model, args.dtype, batch_invariant_setting(args.batch_invariant, dict(os.environ)))
     dtype = resolve_dtype(config.dtype)  # auto = bfloat16: ~2x faster than float32 here (bench/README.md)
     progress = ProgressBar("Loading weights")
     checkpoint = load_checkpoint(config.model, dtype=dtype, progress=progress)
@@ -254,6 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache_max_bytes=args.prefix_cache_bytes,
         prefix_cache_idle_s=args.prefix_cache_idle,
         record_dir=args.record,
+        batch_invariant=batch_invariant_setting(args.batch_invariant, dict(os.environ)),
     )
     settings = ServerSettings(
         engine=engine,

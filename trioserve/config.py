@@ -38,12 +38,16 @@ class EngineConfig:
     fewer blocks), or after prefix_cache_idle_s without use. Blocks that
     sessions keep pinned are outside these limits.
     record_dir: a directory where each run writes one trace file of every
-    input to the engine core, for `trioserve replay` (docs/replay.md)."""
+    input to the engine core, for `trioserve replay` (docs/replay.md).
+    batch_invariant: a request's logits are bit-identical whatever else
+    shares its steps and however its prompt is chunked (docs/determinism.md);
+    off runs the faster batch-dependent arithmetic."""
 
     model: str = "smollm2"
     dtype: str = "auto"
     device: str = "cpu"
     use_int4: bool = True
+    batch_invariant: bool = True
     max_num_seqs: int = attrs.field(default=32, validator=_positive)
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_bytes: int = attrs.field(default=512 * MIB, validator=_positive)
@@ -143,6 +147,20 @@ def _flag(text: str) -> bool:
     raise ValueError(f"must be true or false, got {text!r}")
 
 
+def batch_invariant_setting(flag: bool | None, environ: dict[str, str]) -> bool:
+    """--batch-invariant / --no-batch-invariant when given, else
+    $TRIOSERVE_BATCH_INVARIANT, else on."""
+    if flag is not None:
+        return flag
+    text = environ.get("TRIOSERVE_BATCH_INVARIANT")
+    if text is None:
+        return attrs.fields(EngineConfig).batch_invariant.default
+    try:
+        return _flag(text)
+    except ValueError as exc:
+        raise ValueError(f"TRIOSERVE_BATCH_INVARIANT {exc}") from None
+
+
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
 _ENV = {
     "TRIOSERVE_MODEL": ("engine.model", str),
@@ -158,6 +176,7 @@ _ENV = {
     "TRIOSERVE_PREFIX_CACHE_BYTES": ("engine.prefix_cache_max_bytes", parse_byte_size),
     "TRIOSERVE_PREFIX_CACHE_IDLE": ("engine.prefix_cache_idle_s", float),
     "TRIOSERVE_RECORD": ("engine.record_dir", str),
+    "TRIOSERVE_BATCH_INVARIANT": ("engine.batch_invariant", _flag),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),

@@ -204,8 +204,12 @@ async def open_engine(
         )
     if model is None:
         model = await trio.to_thread.run_sync(
-            lambda: LlamaModel.from_checkpoint(checkpoint, use_int4=config.use_int4, device=config.device)
+            lambda: LlamaModel.from_checkpoint(
+                checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant
+            )
         )
+    elif model.batch_invariant != config.batch_invariant:
+        raise ValueError(f"the model was built with batch_invariant={model.batch_invariant}, the config says {config.batch_invariant}")
     max_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
     num_blocks = blocks_for_budget(config.kv_cache_bytes, model.kv_bytes_per_token(), config.block_size)
     if num_blocks < 1:
@@ -226,6 +230,7 @@ async def open_engine(
         prefix_cache=config.prefix_cache,
         prefix_cache_max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()) if config.prefix_cache else None,
         prefix_cache_idle_s=config.prefix_cache_idle_s,
+        share_generated_kv=not config.batch_invariant,
     )
     core = new_core(settings, checkpoint.tokenizer)
     writer = None

@@ -21,7 +21,7 @@ def test_render_parses_and_carries_the_numbers():
     rec.finished["cancelled"] += 1
     rec.prompt_tokens, rec.generated_tokens, rec.last_batch = 120, 45, 7
     snap = rec.snapshot(running=2, waiting=5, used=30, total=120, block_size=16)
-    fam = families(render(snap, "tiny"))
+    fam = families(render(snap, "tiny", batch_invariant=True))
 
     ttft = {(s.name, s.labels.get("le")): s.value for s in fam["trioserve_time_to_first_token_seconds"].samples}
     assert ttft[("trioserve_time_to_first_token_seconds_count", None)] == 5
@@ -42,10 +42,12 @@ def test_render_parses_and_carries_the_numbers():
     assert fam["trioserve_batch_size"].samples[0].value == 7
     assert fam["trioserve_kv_cache_usage_ratio"].samples[0].value == 0.25
     assert fam["trioserve_model_info"].samples[0].labels == {"model": "tiny"}
+    assert fam["trioserve_batch_invariant"].samples[0].value == 1
 
 
 def test_empty_snapshot_renders_zero_histograms():
     snap = StatsRecorder().snapshot(running=0, waiting=0, used=0, total=10, block_size=16)
-    fam = families(render(snap, "m"))
+    fam = families(render(snap, "m", batch_invariant=False))
     for name in ("trioserve_inter_token_latency_seconds", "trioserve_e2e_request_latency_seconds", "trioserve_queue_wait_seconds"):
         assert all(s.value == 0 for s in fam[name].samples)
+    assert fam["trioserve_batch_invariant"].samples[0].value == 0

@@ -209,6 +209,7 @@ async def test_openai_models(server):
         assert [m.id for m in listed.data] == [MODEL_NAME]
         card = await call(client.models.retrieve, MODEL_NAME)
         assert card.id == MODEL_NAME and card.object == "model" and card.owned_by == "trioserve"
+        assert card.model_extra["batch_invariant"] is True  # which arithmetic runs (docs/determinism.md)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await call(client.models.retrieve, "no-such-model")
 
@@ -524,6 +525,7 @@ async def test_queue_full_gets_429(nursery, tiny_gguf, slow_steps):
 METRIC_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "steps", "prompt_tokens",
     "generated_tokens", "finished", "queue_wait", "ttft", "inter_token", "end_to_end", "dead", "prefix_cache", "sessions",
+    "batch_invariant",
 }
 
 
@@ -536,6 +538,7 @@ async def test_health_and_metrics(server):
             before = await metrics(client)
             assert set(before) == METRIC_KEYS, set(before) ^ METRIC_KEYS
             assert before["kv_blocks_total"] == 4 * MAX_MODEL_LEN // 4 and before["kv_blocks_used"] == 0 and before["dead"] is None
+            assert before["batch_invariant"] is True  # the default
             for key in ("queue_wait", "ttft", "inter_token", "end_to_end"):
                 assert set(before[key]) == {"count", "sum_s", "mean_s"}, before[key]
 

@@ -83,6 +83,9 @@ class CoreSettings:
     prefix_cache: bool = True
     prefix_cache_max_blocks: int | None = None
     prefix_cache_idle_s: float | None = None
+    # Whether generated tokens' KV may serve later prompts (off in
+    # batch-invariant mode). Traces from before it existed ran with it on.
+    share_generated_kv: bool = True
 
 
 def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
@@ -99,6 +102,7 @@ def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
         max_queue=settings.max_queue,
         retry_after=settings.retry_after_s,
         prefix_cache=prefixes,
+        share_generated_kv=settings.share_generated_kv,
     )
     return EngineCore(policy, tokenizer)
 

@@ -251,7 +251,8 @@ def _load_tokenizer(path, head: dict, source):
 
 def model_runner(head: dict, source) -> StepRunner:
     """Runs planned steps as the server's worker and sampler do, with the
-    recorded engine settings (dtype, 4-bit weights, device, block size)."""
+    recorded engine settings (dtype, 4-bit weights, device, block size,
+    batch-invariant arithmetic)."""
     from trioserve.actors.sampler import sample_step  # noqa: PLC0415 - heavy imports, only in model mode
     from trioserve.actors.worker import forward_step  # noqa: PLC0415
     from trioserve.engine import resolve_dtype  # noqa: PLC0415
@@ -261,7 +262,9 @@ def model_runner(head: dict, source) -> StepRunner:
 
     engine, core = head["engine"], head["core"]
     checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"]))
-    model = LlamaModel.from_checkpoint(checkpoint, use_int4=engine["use_int4"], device=engine["device"])
+    # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic.
+    invariant = bool(engine.get("batch_invariant", False))
+    model = LlamaModel.from_checkpoint(checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant)
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
     guides = GuideCompiler(checkpoint.tokenizer)
     vocab = checkpoint.tokenizer.vocab_size

@@ -214,7 +214,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     async def metrics_prometheus() -> Response:
         if state.engine is None:
             return error_response(HTTPError(503, "the model is still loading", kind="server_error", code="loading"))
-        text = prometheus.render(state.engine.statistics(), state.model_name)
+        text = prometheus.render(state.engine.statistics(), state.model_name, batch_invariant=state.engine.config.batch_invariant)
         return Response(text, mimetype="text/plain; version=0.0.4")
 
     @app.route("/v1/chat/completions", methods=["POST"])
@@ -264,6 +264,7 @@ def _model_card(state: ServerState) -> dict:
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "trioserve"}
     if state.engine is not None:
         card["max_model_len"] = state.engine.max_model_len
+        card["batch_invariant"] = state.engine.config.batch_invariant
     return card
 
 
@@ -340,6 +341,7 @@ def _stats_body(engine: Engine) -> dict:
         "inter_token": lat(s.inter_token),
         "end_to_end": lat(s.end_to_end),
         "dead": s.dead,
+        "batch_invariant": engine.config.batch_invariant,
         "prefix_cache": None
         if s.prefix is None
         else {

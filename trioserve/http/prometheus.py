@@ -28,7 +28,7 @@ def _single(lines: list[str], kind: str, name: str, help_text: str, value: float
     lines.append(f"{sample} {value}")
 
 
-def render(stats: EngineStats, model: str) -> str:
+def render(stats: EngineStats, model: str, *, batch_invariant: bool) -> str:
     lines: list[str] = []
     _histogram(lines, "trioserve_time_to_first_token_seconds", "Arrival to first generated token.", stats.ttft)
     _histogram(lines, "trioserve_inter_token_latency_seconds", "Time between consecutive tokens of a request.", stats.inter_token)
@@ -57,6 +57,7 @@ def render(stats: EngineStats, model: str) -> str:
         _single(lines, "gauge", "trioserve_prefix_cache_blocks", "Blocks the prefix cache holds.", p.cached_blocks)
         _single(lines, "gauge", "trioserve_session_kv_blocks", "Cached blocks that sessions keep pinned.", p.pinned_blocks)
         _single(lines, "counter", "trioserve_session_kv_evictions", "Times a session's kept KV was let go to make room.", p.pin_evictions)
+    _single(lines, "gauge", "trioserve_batch_invariant", "1 when outputs never depend on what shares a step (--batch-invariant).", int(batch_invariant))
     lines.append("# HELP trioserve_model_info The model this server serves.")
     lines.append("# TYPE trioserve_model_info gauge")
     lines.append(f'trioserve_model_info{{model="{model}"}} 1')

@@ -10,8 +10,9 @@ bf16, the same order as rounding the dequantized weights to bf16.
 A decode step is bound by reading weights, and 4-bit weights are a quarter
 of bf16's bytes, so generated (decode) tokens use them; prompt tokens, many
 at a time, use the bf16 copy, which is faster for many rows. The choice
-depends only on what a token is, never on what else shares its step, so a
-request's arithmetic is the same however it is batched."""
+depends only on what a token is, never on what else shares its step. In
+the default batch-invariant mode the bf16 rows go in fixed-size tiles
+(`Projection.fixed`, docs/determinism.md)."""
 
 from __future__ import annotations
 
@@ -65,22 +66,28 @@ def concat_rows(parts: list[Int4Parts]) -> Int4Parts:
     )
 
 
-# Rows per call of `tiled_linear` (batch-invariant mode).
+# Rows per call of `tiled_linear` in batch-invariant mode: generated tokens
+# (few per step) and the output head use small tiles, which cost a 1-row
+# call's time (both read the whole weight); prompt tokens use large ones,
+# which keep prefill near one call's speed (docs/determinism.md).
 ROW_TILE = 16
+PROMPT_TILE = 128
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: int = ROW_TILE) -> torch.Tensor:
     """F.linear whose every row gets the same arithmetic whatever the other
-    rows: the rows are padded to a multiple of ROW_TILE and multiplied
-    ROW_TILE at a time. One call of F.linear picks its blocking by the row
+    rows: the rows are padded to a multiple of ``tile`` and multiplied
+    ``tile`` at a time. One call of F.linear picks its blocking by the row
     count, and a row then rounds differently beside more or fewer rows
     (docs/determinism.md); a call of fixed shape always runs the same
     kernel, and a row's place inside the tile was measured not to matter."""
     rows = x.shape[0]
-    padded = -(-rows // ROW_TILE) * ROW_TILE
+    if rows == 0:
+        return F.linear(x, weight, bias)
+    padded = -(-rows // tile) * tile
     if padded != rows:
         x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-    out = torch.cat([F.linear(x[s : s + ROW_TILE], weight, bias) for s in range(0, padded, ROW_TILE)])
+    out = torch.cat([F.linear(x[s : s + tile], weight, bias) for s in range(0, padded, tile)])
     return out[:rows]
 
 
@@ -104,15 +111,23 @@ class Projection:
             return self._int4(x)
         return torch.cat([self._int4(x[:int4_rows]), F.linear(x[int4_rows:], self.weight, self.bias)])
 
-    def fixed(self, x: torch.Tensor) -> torch.Tensor:
-        """Batch-invariant: every row through the int4 kernel when there is
-        one (it computes each row on its own: the same bits for 1 to 512
-        rows, measured), else `tiled_linear`. Prompt and generated tokens
-        then share one path, so KV a session kept from decoding equals what
-        prefilling the same text writes."""
-        if self.packed is not None:
-            return self._int4(x)
-        return tiled_linear(x, self.weight, self.bias)
+    def fixed(self, x: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """Batch-invariant: the leading ``decode_rows`` (generated tokens)
+        through the int4 kernel when there is one (it computes each row on
+        its own: the same bits for 1 to 512 rows, measured), else in
+        ROW_TILE tiles; the prompt rows after them in PROMPT_TILE tiles of
+        the bf16 weights. Running prompts through the int4 kernel too would
+        give prompt and generated tokens one path, but it changes greedy
+        answers (SmolLM2 no longer names Paris), so each kind keeps its own
+        fixed path, and KV written by generated tokens is never shared
+        (docs/determinism.md)."""
+        decode, prompt = x[:decode_rows], x[decode_rows:]
+        parts = []
+        if decode_rows:
+            parts.append(self._int4(decode) if self.packed is not None else tiled_linear(decode, self.weight, self.bias))
+        if prompt.shape[0]:
+            parts.append(tiled_linear(prompt, self.weight, self.bias, PROMPT_TILE))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)

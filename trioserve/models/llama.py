@@ -85,9 +85,8 @@ class LlamaModel:
 
         ``batch_invariant``: every row's arithmetic is fixed, whatever else
         shares its step and however its prompt was chunked
-        (docs/determinism.md): projections through the int4 kernel or
-        fixed-size row tiles, the output head in row tiles, attention by
-        `fixed_order_attention`. Steps must then be built with
+        (docs/determinism.md): projections by `Projection.fixed`, the output
+        head in row tiles, attention by `fixed_order_attention`. Steps must then be built with
         ``build_step(..., fixed=True)``."""
         self.config = config
         self.batch_invariant = batch_invariant
@@ -179,7 +178,7 @@ class LlamaModel:
         d = batch.num_decode  # leading decode tokens: 4-bit weights where the model has them
 
         def project(p: Projection, x: torch.Tensor) -> torch.Tensor:
-            return p.fixed(x) if self.batch_invariant else p(x, d)
+            return p.fixed(x, d) if self.batch_invariant else p(x, d)
 
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.attn_norm, c.rms_eps).to(self.dtype)

@@ -8,7 +8,10 @@ Rules:
   not fit, younger ones wait behind it (no overtaking, no starvation).
 - With a prefix cache, admission first shares the cached blocks of the
   prompt's longest known prefix (no copy, no prefill for them), and a
-  finished sequence leaves its full blocks in the cache. A sequence that
+  finished sequence leaves its full blocks in the cache: those of its
+  prompt only when ``share_generated_kv`` is off (batch-invariant mode,
+  where generated tokens' K/V comes from other arithmetic than a prompt's
+  and must not stand in for it; docs/determinism.md). A sequence that
   retains for an owner (a session turn) also pins them, provisionally, until
   the owner commits (the pins become the owner's) or cancels (let go).
 - A step takes every running sequence's decode token first, then prefill
@@ -57,9 +60,11 @@ class SchedulingPolicy:
         max_queue: int,
         retry_after: float = 1.0,
         prefix_cache: PrefixCache | None = None,
+        share_generated_kv: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.share_generated_kv = share_generated_kv
         self.cache = prefix_cache
         self.clock = clock
         self.max_num_seqs = max_num_seqs
@@ -198,6 +203,8 @@ class SchedulingPolicy:
         if remember and self.cache is not None:
             now = self.clock()
             computed = seq.history()[: seq.num_cached]
+            if not self.share_generated_kv:
+                computed = computed[: len(seq.prompt_ids)]
             self.cache.register(computed, self.pool.table(seq.id), now)
             if seq.retain is not None and reason in ("stop", "length"):
                 # Held for the owner until it settles the turn (see `settle`).
