@@ -988,3 +988,28 @@ def test_prefix_cache_state_machine(tok):
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_generated_tokens_blocks_are_shared_only_when_allowed(make, share):
+    """Batch-invariant mode (share_generated_kv=False): KV written while
+    generating comes from other arithmetic than a prompt's, so a finished
+    sequence leaves only its prompt's full blocks; a later prompt that
+    repeats the generated text prefills it again (docs/determinism.md)."""
+    pool = BlockPool(32, BS)
+    p = SchedulingPolicy(
+        pool, max_num_seqs=8, max_model_len=512, prefill_budget=16, max_queue=64,
+        prefix_cache=PrefixCache(pool), share_generated_kv=share, clock=Clock(),
+    )
+    first = make("first", A + B, 6)  # step() commits token 100 each time
+    p.enqueue(first)
+    p.admit(0.0)
+    run_to_end(p, first)
+    assert first.num_cached == 8 + 5  # the last generated token is never fed back
+    assert len(p.cache) == (3 if share else 2)
+
+    repeat = make("repeat", A + B + [100] * 4 + [7], 1)
+    p.enqueue(repeat)
+    p.admit(1.0)
+    assert repeat.num_cached == (12 if share else 8)
+    assert [(r.tokens, r.start) for r in p.plan()] == ([([7], 12)] if share else [([100] * 4 + [7], 8)])
