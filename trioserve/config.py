@@ -158,7 +158,7 @@ def batch_invariant_setting(flag: bool | None, environ: dict[str, str]) -> bool:
     try:
         return _flag(text)
     except ValueError as exc:
-        raise ValueError(f"TRIOSERVE_BATCH_INVARIANT {exc}") from None
+        raise ValueError(f"TRIOSERVE_BATCH_INVARIANT: {exc}") from None
 
 
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
