@@ -45,10 +45,13 @@ async def ask(engine, template, tok, question: str) -> tuple[list[int], str, Fin
     return ids, "".join(text), final
 
 
-async def test_eight_concurrent_chats_equal_their_solo_answers(smollm2):
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "batch-dependent"])
+async def test_eight_concurrent_chats_equal_their_solo_answers(smollm2, invariant):
+    """In both modes: bit-exact by construction with --batch-invariant (the
+    default), by the margins of these greedy answers without it."""
     tok = smollm2.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
-    config = EngineConfig(max_num_seqs=8, kv_cache_bytes=64 << 20)
+    config = EngineConfig(max_num_seqs=8, kv_cache_bytes=64 << 20, batch_invariant=invariant)
     with trio.fail_after(300):
         async with open_engine(config, checkpoint=smollm2) as engine:
             solo = [await ask(engine, template, tok, q) for q in QUESTIONS]

@@ -91,6 +91,20 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out[:rows]
 
 
+def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """``x @ weight.T`` for a wide output head ([vocab, hidden] weight), as
+    ``weight @ x.T`` in fixed ``tile``-column calls: the same fixed-shape
+    rule as `tiled_linear`, in the orientation that is cheaper for few rows
+    (16 columns cost 4.4 ms here against 5.7 ms for 16 rows, and 2.3 times
+    a single row's 1.9 ms rather than 3 times; bench/README.md)."""
+    rows = x.shape[0]
+    padded = -(-rows // tile) * tile
+    cols = torch.zeros(x.shape[1], padded, dtype=x.dtype, device=x.device)
+    cols[:, :rows] = x.t()
+    out = torch.cat([torch.matmul(weight, cols[:, s : s + tile].contiguous()) for s in range(0, padded, tile)], dim=1)
+    return out[:, :rows].t()
+
+
 class Projection:
     """y = x @ W.T, with W held in the model dtype and, when given, also as
     packed int4 used for the leading ``int4_rows`` rows of a call."""

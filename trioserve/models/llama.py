@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import reference as ops
-from trioserve.kernels.int4 import Int4Parts, Projection, concat_rows, tiled_linear
+from trioserve.kernels.int4 import Int4Parts, Projection, concat_rows, tiled_head
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
@@ -80,14 +80,13 @@ class LlamaModel:
         batch_invariant: bool = False,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
-        generated tokens when the weights are bf16 on CPU (for every token
-        when batch-invariant).
+        generated tokens when the weights are bf16 on CPU.
 
         ``batch_invariant``: every row's arithmetic is fixed, whatever else
         shares its step and however its prompt was chunked
         (docs/determinism.md): projections by `Projection.fixed`, the output
-        head in row tiles, attention by `fixed_order_attention`. Steps must then be built with
-        ``build_step(..., fixed=True)``."""
+        head in row tiles, attention by `fixed_order_attention`. Steps must
+        then be built with ``build_step(..., fixed=True)``."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -196,7 +195,7 @@ class LlamaModel:
             h = h + project(layer.down, F.silu(gate) * up)
         last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
         if self.batch_invariant:
-            return tiled_linear(last, self.lm_head).float()
+            return tiled_head(last, self.lm_head).float()
         return F.linear(last, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, gather) -> torch.Tensor:
