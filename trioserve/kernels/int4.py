@@ -87,6 +87,8 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     padded = -(-rows // tile) * tile
     if padded != rows:
         x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    if padded == tile:
+        return F.linear(x, weight, bias)[:rows]
     out = torch.cat([F.linear(x[s : s + tile], weight, bias) for s in range(0, padded, tile)])
     return out[:rows]
 
@@ -101,6 +103,8 @@ def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> t
     padded = -(-rows // tile) * tile
     cols = torch.zeros(x.shape[1], padded, dtype=x.dtype, device=x.device)
     cols[:, :rows] = x.t()
+    if padded == tile:
+        return torch.matmul(weight, cols)[:, :rows].t()
     out = torch.cat([torch.matmul(weight, cols[:, s : s + tile].contiguous()) for s in range(0, padded, tile)], dim=1)
     return out[:, :rows].t()
 
