@@ -33,14 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 HI_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m trioserve.cli ARGS` with ``env`` added to this process's environment."""
     return subprocess.run(
         [sys.executable, "-m", "trioserve.cli", *args],
         capture_output=True,
         text=True,
         encoding="utf-8",
         cwd=ROOT,
-        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        env={**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})},
         timeout=120,
     )
 

@@ -13,11 +13,7 @@ tests/http/test_real_invariance.py."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -26,10 +22,10 @@ import pytest
 import trio
 
 from tests.http.conftest import MODEL_NAME, SSE, eventually, kv_bytes, make_settings, metrics, parse_sse_lines, read_sse, start_server
+from tests.test_cli import run_cli
 from trioserve import cli
 from trioserve.config import EngineConfig, ServerSettings, settings_from_env
 
-ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 TIMEOUT = 60.0
@@ -362,18 +358,6 @@ async def test_default_is_reported_batch_invariant(nursery, tiny_checkpoints):
     with trio.fail_after(30):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
             await assert_mode(client, True)
-
-
-def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "trioserve.cli", *args],
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        cwd=ROOT,
-        env={**os.environ, "PYTHONIOENCODING": "utf-8", **env},
-        timeout=120,
-    )
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
