@@ -622,3 +622,25 @@ async def test_n_larger_than_the_queue_is_refused_by_name(nursery, tiny_gguf):
             assert_error(response, 400, fragment="n (3) is more than this server queues at once (2", param="n")
             ok = await client.post("/v1/chat/completions", json={"messages": HI, "n": 2, "max_tokens": 2})
             assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_streamed_completion_logprobs_carry_the_buffered_text_offsets(server, echo):
+    """Each streamed chunk's text_offset continues from the previous tokens'
+    text (and the echoed prompt), exactly as the buffered response counts."""
+    body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2, "echo": echo}
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(base_url=server, timeout=10) as client:
+            buffered = await client.post("/v1/completions", json=body)
+            assert buffered.status_code == 200, buffered.text
+            want = buffered.json()["choices"][0]["logprobs"]
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                sse = await read_sse(response)
+    got = {"tokens": [], "text_offset": []}
+    for chunk in sse.choice_chunks(0):
+        if chunk.get("logprobs"):
+            got["tokens"] += chunk["logprobs"]["tokens"]
+            got["text_offset"] += chunk["logprobs"]["text_offset"]
+    assert got["tokens"] == want["tokens"] and len(got["tokens"]) == 8
+    assert got["text_offset"] == want["text_offset"]
+    assert got["text_offset"][0] == (len("The quick brown fox") if echo else 0)

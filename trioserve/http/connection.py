@@ -48,6 +48,7 @@ class Connection:
         self.draw_start = 0  # a session turn continues its random stream
         self.retain: str | None = None  # a session turn's KV is held for the session
         self.guides: list | None = None  # one output constraint per choice (guided decoding)
+        self._text_offsets: dict[int, int] = {}  # streamed completions: each choice's next token's text_offset
         # Makes each chat choice's output parser (tool calls, reasoning), or None.
         self.parser_factory: Callable[[int], OutputParser | None] | None = None
         # Called with choice 0 right before its final response goes out
@@ -194,7 +195,12 @@ class Connection:
             for i, body in enumerate(bodies):
                 yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, index, body, None, lp if i == 0 else None)), 0
         else:
-            lp = openai.completion_logprobs(tok, [event], 0) if self.logprobs else None
+            lp = None
+            if self.logprobs:
+                # Offsets count from the start of the choice's text, echoed prompt included, as buffered ones do.
+                at = self._text_offsets.get(index, len(self.prompt_text) if self.echo else 0)
+                lp = openai.completion_logprobs(tok, [event], at)
+                self._text_offsets[index] = at + len(lp["tokens"][0])
             yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, None, lp)), 0
 
 
