@@ -134,15 +134,27 @@ def _grouped_attention(
     the query heads sharing a KV head stacked as rows. q [S, Q, H, D];
     keys, values [KVH, S, L, D]; mask [S, Q, L]. Softmax in fp32.
     Returns [S, Q, H, D]."""
+    probs = _attention_probs(q, keys, mask, scale)
+    return _heads_back(torch.matmul(probs, values), q.shape)
+
+
+def _attention_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax(q k^T * scale) under ``mask``, in fp32 then cast to q's dtype:
+    [KVH, S, group * Q, L], the query heads sharing a KV head stacked as rows."""
     n_seqs, n_q, heads, dim = q.shape
     kv_heads, length = keys.shape[0], keys.shape[2]
     group = heads // kv_heads
     rows = q.view(n_seqs, n_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, n_seqs, group * n_q, dim)
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(scale)
     allowed = mask[:, None].expand(n_seqs, group, n_q, length).reshape(n_seqs, group * n_q, length)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values).view(kv_heads, n_seqs, group, n_q, dim)
-    return out.permute(1, 3, 0, 2, 4).reshape(n_seqs, n_q, heads, dim)
+    return torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).to(q.dtype)
+
+
+def _heads_back(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[KVH, S, group * Q, D] (the layout of `_attention_probs`) -> [S, Q, H, D]."""
+    n_seqs, n_q, heads, dim = shape
+    kv_heads = out.shape[0]
+    return out.view(kv_heads, n_seqs, heads // kv_heads, n_q, dim).permute(1, 3, 0, 2, 4).reshape(n_seqs, n_q, heads, dim)
 
 
 # Keys per tile of `fixed_order_attention`'s reduction: a multiple of the
@@ -168,21 +180,16 @@ def fixed_order_attention(
     probabilities and add exact zeros, so padding never changes a sum.
     q [S, Q, H, D]; keys, values [KVH, S, L, D] with L a multiple of
     KV_TILE; mask [S, Q, L]. Returns [S, Q, H, D] in q's dtype."""
-    n_seqs, n_q, heads, dim = q.shape
-    kv_heads, length = keys.shape[0], keys.shape[2]
+    kv_heads, n_seqs, length, dim = keys.shape
     if length % KV_TILE:
         raise ValueError(f"fixed-order attention needs a key length that is a multiple of {KV_TILE}, got {length}")
-    group, tiles = heads // kv_heads, length // KV_TILE
-    rows = q.view(n_seqs, n_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, n_seqs, group * n_q, dim)
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(scale)
-    allowed = mask[:, None].expand(n_seqs, group, n_q, length).reshape(n_seqs, group * n_q, length)
-    probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).to(q.dtype)
+    tiles = length // KV_TILE
+    probs = _attention_probs(q, keys, mask, scale)
     # [KVH, S, tiles, rows, KV_TILE] @ [KVH, S, tiles, KV_TILE, D]: one partial product per tile.
-    by_tile = probs.view(kv_heads, n_seqs, group * n_q, tiles, KV_TILE).transpose(2, 3).contiguous()
+    by_tile = probs.view(kv_heads, n_seqs, -1, tiles, KV_TILE).transpose(2, 3).contiguous()
     partial = torch.matmul(by_tile, values.view(kv_heads, n_seqs, tiles, KV_TILE, dim)).float()
     while partial.shape[2] > 1:
         if partial.shape[2] % 2:
             partial = torch.cat([partial, partial.new_zeros(partial[:, :, :1].shape)], dim=2)
         partial = partial[:, :, 0::2] + partial[:, :, 1::2]
-    out = partial[:, :, 0].to(q.dtype).view(kv_heads, n_seqs, group, n_q, dim)
-    return out.permute(1, 3, 0, 2, 4).reshape(n_seqs, n_q, heads, dim)
+    return _heads_back(partial[:, :, 0].to(q.dtype), q.shape)
