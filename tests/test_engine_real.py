@@ -7,6 +7,7 @@ import pytest
 import torch
 import trio
 
+from trioserve.engine import resolve_dtype
 from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
@@ -30,7 +31,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_checkpoint("smollm2", dtype=torch.bfloat16)
+    return load_checkpoint("smollm2", dtype=resolve_dtype("auto"))
 
 
 async def ask(engine, template, tok, question: str) -> tuple[list[int], str, FinalEvent]:

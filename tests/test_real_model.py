@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trioserve.engine import resolve_dtype
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.models.chat_template import ChatTemplate
@@ -22,7 +23,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    return load_checkpoint("smollm2", dtype=torch.bfloat16)
+    return load_checkpoint("smollm2", dtype=resolve_dtype("auto"))
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["batch-invariant", "batch-dependent"])
@@ -49,7 +50,7 @@ def test_checkpoint_shape(smollm2):
 async def test_greedy_answer_names_paris(smollm2, checkpoint):
     """Through the engine, as the server and `trioserve generate` run it."""
     model, tok, template = smollm2
-    config = EngineConfig(model="smollm2", dtype="bfloat16", batch_invariant=model.batch_invariant)
+    config = EngineConfig(model="smollm2", dtype="auto", batch_invariant=model.batch_invariant)
     async with open_engine(config, checkpoint=checkpoint, model=model) as engine:
         request = GenerateRequest(chat_ids(tok, template, "What is the capital of France?"), SamplingParams(max_tokens=32, temperature=0))
         events = [event async for event in engine.generate(request)]

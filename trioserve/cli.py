@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=_positive_int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy (default); up to 2")
     gen.add_argument("--seed", type=int, default=0, help="the request's seed, as the server takes it: any integer (default 0)")
-    gen.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16")
+    gen.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16 where the CPU has native bf16, else float32")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _batch_invariant_flag(gen)
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     srv.add_argument("--model", default="smollm2", help="'smollm2' (built in), a .gguf file, or a Hugging Face directory")
     srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value)")
-    srv.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16")
+    srv.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16 where the CPU has native bf16, else float32")
     srv.add_argument("--device", default="cpu", help="torch device (default cpu)")
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
@@ -193,7 +193,7 @@ def _generate(args: argparse.Namespace) -> int:
     request = parse_chat_request(generate_request_body(args))
     params = sampling_params(request, default_max_tokens=args.max_tokens)
     config = generate_engine_config(args.model, args.dtype, batch_invariant_setting(args.batch_invariant, dict(os.environ)))
-    dtype = resolve_dtype(config.dtype)  # auto = bfloat16: ~2x faster than float32 here (bench/README.md)
+    dtype = resolve_dtype(config.dtype)  # auto: by the CPU (kernels/cpu.py)
     progress = ProgressBar("Loading weights")
     checkpoint = load_checkpoint(config.model, dtype=dtype, progress=progress)
     try:

@@ -27,6 +27,7 @@ from trioserve.config import DTYPE_NAMES, EngineConfig
 from trioserve.core.engine_core import CoreSettings, check_request, new_core
 from trioserve.core.trace import Recording, TraceWriter, header, new_trace_path
 from trioserve.errors import EngineClosed, RequestError
+from trioserve.kernels.cpu import auto_dtype
 from trioserve.models.checkpoint import Checkpoint, Progress, checkpoint_digest, load_checkpoint
 from trioserve.models.guided import GuideCompiler
 from trioserve.models.llama import LlamaModel
@@ -36,7 +37,7 @@ from trioserve.state.kv_pool import blocks_for_budget
 from trioserve.state.stats import EngineStats
 from trioserve.types import Event, FinalEvent, GenerateRequest
 
-DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 assert tuple(DTYPES) == DTYPE_NAMES
 
 
@@ -183,9 +184,10 @@ class _EventStream:
 
 def resolve_dtype(name: str) -> torch.dtype:
     try:
-        return DTYPES[name]
+        dtype = DTYPES[name]
     except KeyError:
         raise RequestError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype") from None
+    return auto_dtype() if dtype is None else dtype  # auto: by the CPU (kernels/cpu.py)
 
 
 @contextlib.asynccontextmanager
@@ -266,7 +268,9 @@ def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSett
         settings,
         checkpoint_path=str(checkpoint.path),
         digest=checkpoint_digest(checkpoint.path),
-        engine=attrs.asdict(config),
+        # "auto" resolved: the dtype this machine chose (kernels/cpu.py), so
+        # a replay elsewhere loads the weights as this run did.
+        engine={**attrs.asdict(config), "dtype": str(checkpoint.weights["model.embed_tokens.weight"].dtype).removeprefix("torch.")},
         vocab_size=checkpoint.tokenizer.vocab_size,
     )
     return TraceWriter(new_trace_path(config.record_dir), head)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trioserve.kernels.int4 import Projection, concat_rows, parts_from_gguf
+from trioserve.kernels.int4 import Int8Rows, Projection, concat_rows, parts_from_gguf
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -61,10 +61,58 @@ def test_projection_int4_and_bf16_paths_agree(rows, int4_rows):
         assert torch.equal(out[:int4_rows], alone)
 
 
-def test_float32_projection_never_packs():
+def test_float32_projection_packs_and_gives_a_bf16_models_int4_arithmetic():
+    """With float32 weights (the default where bf16 is slow, kernels/cpu.py)
+    the int4 rows are the bf16 model's int4 rows, cast: the same bits; the
+    other rows stay float32. float16 weights never pack."""
     rng = np.random.default_rng(0)
-    parts = parts_from_gguf(gguf.quants.quantize(rng.standard_normal((8, 32)).astype(np.float32), Q.Q4_0), "Q4_0")
-    assert Projection(parts.dequantize(), None, parts).packed is None
+    parts = parts_from_gguf(gguf.quants.quantize(rng.standard_normal((16, 32)).astype(np.float32), Q.Q4_0), "Q4_0")
+    f32 = Projection(parts.dequantize(), None, parts)
+    bf16 = Projection(parts.dequantize().to(torch.bfloat16), None, parts)
+    assert f32.packed is not None
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3))
+    out = f32(x, 3)
+    assert out.dtype == torch.float32
+    assert torch.equal(out[:3], bf16(x[:3].to(torch.bfloat16), 3).float())
+    assert torch.equal(out[3:], torch.nn.functional.linear(x[3:], parts.dequantize()))
+    assert Projection(parts.dequantize().half(), None, parts).packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_int8_rows_are_close_and_each_row_is_computed_on_its_own(rows):
+    """The 8-bit head: within 8-bit rounding of the float32 product, and a
+    row's logits are the same bits alone and beside 31 others."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1000, 96, generator=gen) * torch.rand(1000, 1, generator=gen)
+    head = Int8Rows(weight)
+    assert head.q.dtype == torch.int8 and head.scale.shape == (1000,)
+    # Rounding to nearest with the (bf16) scale the kernel uses: at most half a step per weight.
+    assert ((head.dequantize() - weight).abs() <= head.scale.float()[:, None] * 0.5 * (1 + 1e-5)).all()
+    crowd = torch.randn(32, 96, generator=gen)
+    x = crowd[:rows]
+    out = head(x)
+    reference = x.to(torch.bfloat16).float() @ weight.T
+    assert out.dtype == torch.float32 and out.shape == (rows, 1000)
+    assert (out - reference).abs().max() <= 0.02 * reference.abs().max()
+    together = head(crowd)
+    for r in range(rows):
+        assert torch.equal(out[r], together[r])
+        assert torch.equal(head(crowd[r : r + 1])[0], together[r])
+
+
+def test_float32_model_with_int4_weights_has_an_8_bit_head(tiny_checkpoints):
+    """Only the float32 model with 4-bit projections gets the 8-bit head;
+    its greedy picks match the bf16 one's and its logits stay close."""
+    f32 = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32))
+    assert f32.head_int8 is not None and f32.layers[0].qkv.packed is not None
+    dense = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32), use_int4=False)
+    bf16 = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16))
+    assert dense.head_int8 is None and bf16.head_int8 is None
+    step = build_step([SeqChunk([3], 4, [2, 3], decode=True), SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4)
+    a = f32.forward(step, f32.new_kv_cache(4, 4))
+    b = dense.forward(step, dense.new_kv_cache(4, 4))
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_bf16_model_with_int4_weights_matches_without(tiny_checkpoints):

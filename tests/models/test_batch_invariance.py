@@ -8,7 +8,10 @@ Two configurations, each with batch_invariant=True:
     in PROMPT_TILE tiles);
   - "q4_1": the served path, the Q4_1 GGUF loaded as bfloat16 with its 4-bit
     parts (use_int4=True: decode rows through the int4 kernel, prompt rows
-    in PROMPT_TILE tiles of the bf16 weights).
+    in PROMPT_TILE tiles of the bf16 weights);
+  - "q4_1_f32": the served path on CPUs without native bf16 (kernels/cpu.py):
+    float32 weights, decode rows through the int4 kernel, prompt rows in
+    float32 PROMPT_TILE tiles, the output head 8-bit (Int8Rows).
 
 What is proven, for each:
 
@@ -82,19 +85,21 @@ def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool) -> LlamaModel:
         model = LlamaModel.from_checkpoint(checkpoint, use_int4=False, batch_invariant=batch_invariant)
         assert all(layer.qkv.packed is None for layer in model.layers)
     else:
-        checkpoint = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
+        dtype = torch.float32 if kind == "q4_1_f32" else torch.bfloat16
+        checkpoint = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
         model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=batch_invariant)
         # the served path: every projection has its 4-bit copy
         for layer in model.layers:
             assert all(p.packed is not None for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert model.dtype == torch.bfloat16
+        assert (model.head_int8 is not None) == (kind == "q4_1_f32")
+    assert model.dtype == (torch.float32 if kind == "q4_1_f32" else torch.bfloat16)
     assert model.config.max_position == MAX_POSITION
     return model
 
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoints) -> dict[str, LlamaModel]:
-    return {kind: _load(tiny_checkpoints, kind, batch_invariant=True) for kind in ("bf16", "q4_1")}
+    return {kind: _load(tiny_checkpoints, kind, batch_invariant=True) for kind in ("bf16", "q4_1", "q4_1_f32")}
 
 
 def garbage_cache(model: LlamaModel, seed: int) -> KVCache:
@@ -286,7 +291,7 @@ def plans(draw) -> Plan:
     )
 
 
-@pytest.mark.parametrize("kind", ["bf16", "q4_1"])
+@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q4_1_f32"])
 @settings(max_examples=10, deadline=None)
 @given(plan=plans())
 def test_logits_do_not_depend_on_company_chunking_or_prefix_hits(models, kind, plan):

@@ -111,13 +111,18 @@ def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> t
 
 class Projection:
     """y = x @ W.T, with W held in the model dtype and, when given, also as
-    packed int4 used for the leading ``int4_rows`` rows of a call."""
+    packed int4 used for the leading ``int4_rows`` rows of a call.
+
+    The int4 kernel takes bf16 activations and is fast only with them, so
+    with float32 weights (the default on CPUs without native bf16,
+    kernels/cpu.py) the int4 rows are cast to bf16 and back: the same
+    arithmetic a bf16 model's generated tokens get."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Parts | None = None):
         self.weight = weight
         self.bias = bias
         self.packed = None
-        if int4 is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        if int4 is not None and weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu":
             self.packed = torch._convert_weight_to_int4pack_for_cpu(int4.q.to(torch.int32), 1)
             # [K/32, N, 2] as the kernel wants it.
             self.scales_zeros = torch.stack([int4.scale, int4.zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
@@ -148,5 +153,35 @@ class Projection:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_zeros)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class Int8Rows:
+    """A [N, K] weight as int8 with one scale per row (symmetric, round to
+    nearest), multiplied by torch's CPU weight-only int8 kernel with bf16
+    activations: y = x @ W.T in fp32.
+
+    The output head of a float32 model on a CPU without native bf16
+    (kernels/cpu.py). There a float32 head reads 113 MB a step (13.8 ms for
+    one row here) and the int8 one a quarter of it (4.7 ms); the GGUF's own
+    embedding is 8-bit (Q8_0) already. The kernel computes each row on its
+    own: a row's logits are the same bits beside 0 or 31 other rows
+    (tests/kernels/test_int4.py), so it serves the batch-invariant mode as
+    it is."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.float()
+        # The kernel takes bf16 scales: round each up past bf16's rounding
+        # (relative 2**-8) first, then quantize with the rounded scale, so a
+        # weight is off by at most half a step and none needs clamping.
+        scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127 * (1 + 2**-7)).to(torch.bfloat16)
+        self.q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scale).float()

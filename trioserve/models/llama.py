@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import reference as ops
-from trioserve.kernels.int4 import Int4Parts, Projection, concat_rows, tiled_head
+from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, concat_rows, tiled_head
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
@@ -123,6 +123,10 @@ class LlamaModel:
                     down=projection([p + "mlp.down_proj.weight"]),
                 )
             )
+        # A float32 model with 4-bit projections runs where bf16 is slow
+        # (kernels/cpu.py): its head goes 8-bit, as the GGUF's embedding is.
+        quantized = bool(self.layers) and self.layers[0].qkv.packed is not None
+        self.head_int8 = Int8Rows(self.lm_head) if quantized and self.dtype == torch.float32 else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
@@ -194,6 +198,12 @@ class LlamaModel:
             gate, up = project(layer.gate_up, x).chunk(2, dim=-1)
             h = h + project(layer.down, F.silu(gate) * up)
         last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
+        return self._head(last)
+
+    def _head(self, last: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab] fp32 of the final-normed rows ``last``."""
+        if self.head_int8 is not None:  # per-row arithmetic in either mode
+            return self.head_int8(last)
         if self.batch_invariant:
             return tiled_head(last, self.lm_head).float()
         return F.linear(last, self.lm_head).float()

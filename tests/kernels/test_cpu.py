@@ -1,0 +1,25 @@
+"""The default dtype follows what the CPU multiplies natively."""
+
+from __future__ import annotations
+
+import torch
+
+from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import auto_dtype, cpu_flags, native_bf16
+
+
+def test_auto_is_bfloat16_only_with_native_bf16():
+    zen4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    sapphire = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
+    zen2 = frozenset({"avx2", "fma", "sse4_2"})
+    assert native_bf16(zen4) and native_bf16(sapphire)
+    assert not native_bf16(zen2) and not native_bf16(frozenset())
+    assert auto_dtype(zen4) == torch.bfloat16 and auto_dtype(sapphire) == torch.bfloat16
+    assert auto_dtype(zen2) == torch.float32 and auto_dtype(frozenset()) == torch.float32
+
+
+def test_this_machine_resolves_auto_by_its_own_flags():
+    flags = cpu_flags()
+    assert flags, "no CPU flags read on Linux"
+    assert resolve_dtype("auto") == auto_dtype(flags)
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
