@@ -15,7 +15,7 @@ from tests.http.conftest import MODEL_NAME, assert_error, make_settings, start_s
 from trioserve.http.guard import bearer_matches, form_content_type
 
 KEY = "sekret"
-CHAT = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+CHAT = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}).encode()
 
 
 async def test_the_bearer_scheme_is_case_insensitive(nursery, tiny_gguf):
