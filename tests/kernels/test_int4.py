@@ -100,16 +100,17 @@ def test_int8_rows_are_close_and_each_row_is_computed_on_its_own(rows):
         assert torch.equal(head(crowd[r : r + 1])[0], together[r])
 
 
-def test_float32_model_with_int4_weights_has_an_8_bit_head(tiny_checkpoints):
-    """Only the float32 model with 4-bit projections gets the 8-bit head;
-    its greedy picks match the bf16 one's and its logits stay close."""
-    f32 = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32))
-    assert f32.head_int8 is not None and f32.layers[0].qkv.packed is not None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_model_with_int4_weights_has_an_8_bit_head(tiny_checkpoints, dtype):
+    """A model with 4-bit projections (float32 or bf16) gets the 8-bit head,
+    one without them keeps the dense one; greedy picks match the dense
+    model's and the logits stay close."""
+    quantized = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype))
+    assert quantized.head_int8 is not None and quantized.layers[0].qkv.packed is not None
     dense = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32), use_int4=False)
-    bf16 = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16))
-    assert dense.head_int8 is None and bf16.head_int8 is None
+    assert dense.head_int8 is None
     step = build_step([SeqChunk([3], 4, [2, 3], decode=True), SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4)
-    a = f32.forward(step, f32.new_kv_cache(4, 4))
+    a = quantized.forward(step, quantized.new_kv_cache(4, 4))
     b = dense.forward(step, dense.new_kv_cache(4, 4))
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -11,7 +11,8 @@ Two configurations, each with batch_invariant=True:
     in PROMPT_TILE tiles of the bf16 weights);
   - "q4_1_f32": the served path on CPUs without native bf16 (kernels/cpu.py):
     float32 weights, decode rows through the int4 kernel, prompt rows in
-    float32 PROMPT_TILE tiles, the output head 8-bit (Int8Rows).
+    float32 PROMPT_TILE tiles.
+  Both 4-bit configurations have the 8-bit output head (Int8Rows).
 
 What is proven, for each:
 
@@ -91,7 +92,7 @@ def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool) -> LlamaModel:
         # the served path: every projection has its 4-bit copy
         for layer in model.layers:
             assert all(p.packed is not None for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        assert (model.head_int8 is not None) == (kind == "q4_1_f32")
+        assert model.head_int8 is not None  # the 8-bit head, per-row arithmetic
     assert model.dtype == (torch.float32 if kind == "q4_1_f32" else torch.bfloat16)
     assert model.config.max_position == MAX_POSITION
     return model

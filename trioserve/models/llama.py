@@ -123,10 +123,13 @@ class LlamaModel:
                     down=projection([p + "mlp.down_proj.weight"]),
                 )
             )
-        # A float32 model with 4-bit projections runs where bf16 is slow
-        # (kernels/cpu.py): its head goes 8-bit, as the GGUF's embedding is.
+        # A model served with 4-bit projections (on CPU, bf16 or float32)
+        # gets an 8-bit output head too, one scale per row: the GGUF's
+        # embedding is 8-bit (Q8_0) already, the head is read whole every
+        # step, and the int8 kernel computes each row on its own, so it is
+        # batch-invariant as it is (bench/README.md, "Performance").
         quantized = bool(self.layers) and self.layers[0].qkv.packed is not None
-        self.head_int8 = Int8Rows(self.lm_head) if quantized and self.dtype == torch.float32 else None
+        self.head_int8 = Int8Rows(self.lm_head) if quantized else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
