@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, EngineConfig, batch_invariant_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import DTYPE_NAMES, EngineConfig, batch_invariant_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -134,6 +134,7 @@ def _size_or_auto(text: str) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        native_kernels_setting(os.environ)  # a bad TRIOSERVE_NATIVE_KERNELS stops here, by name
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":

@@ -4,6 +4,7 @@ later component can trust the numbers."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
@@ -161,6 +162,22 @@ def batch_invariant_setting(flag: bool | None, environ: dict[str, str]) -> bool:
         raise ValueError(f"TRIOSERVE_BATCH_INVARIANT: {exc}") from None
 
 
+NATIVE_KERNELS_ENV = "TRIOSERVE_NATIVE_KERNELS"
+
+
+def native_kernels_setting(environ: Mapping[str, str]) -> bool:
+    """$TRIOSERVE_NATIVE_KERNELS: unset or true builds the CPU's C kernels
+    (kernels/native.py), false chooses the torch reference; anything else
+    is a ValueError naming the variable (the CLI checks it first)."""
+    text = environ.get(NATIVE_KERNELS_ENV)
+    if text is None:
+        return True
+    try:
+        return _flag(text)
+    except ValueError as exc:
+        raise ValueError(f"{NATIVE_KERNELS_ENV}: {exc}") from None
+
+
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
 _ENV = {
     "TRIOSERVE_MODEL": ("engine.model", str),
@@ -198,6 +215,7 @@ def settings_from_env(environ: dict[str, str]) -> ServerSettings:
     """ServerSettings from TRIOSERVE_* variables (for `hypercorn -k trio
     'trioserve.http.app:create_app()'`). A bad value is a ValueError naming
     the variable."""
+    native_kernels_setting(environ)  # read by kernels/native.py; a bad value stops here, by name
     engine: dict = {}
     server: dict = {}
     for var, (field, parse) in _ENV.items():

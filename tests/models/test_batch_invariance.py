@@ -2,7 +2,7 @@
 ``batch_invariant=True`` a request's logits are bit-identical (``torch.equal``,
 not just the same argmax) however it is served.
 
-Two configurations, each with batch_invariant=True:
+Three configurations, each with batch_invariant=True:
   - "bf16": the tiny Hugging Face checkpoint loaded as bfloat16, no 4-bit
     weights (`Projection.fixed`: decode rows in ROW_TILE tiles, prompt rows
     in PROMPT_TILE tiles);

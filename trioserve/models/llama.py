@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from trioserve.kernels import native
 from trioserve.kernels import reference as ops
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, concat_rows, tiled_head
 from trioserve.models.checkpoint import Checkpoint
@@ -104,7 +105,8 @@ class LlamaModel:
             return Projection(weight, bias, parts)
 
         self.embed = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
+        # Norm weights are kept in fp32, in which norms compute anyway.
+        self.norm = w("model.norm.weight").float()
         self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -112,13 +114,13 @@ class LlamaModel:
             a = p + "self_attn."
             self.layers.append(
                 _Layer(
-                    attn_norm=w(p + "input_layernorm.weight"),
+                    attn_norm=w(p + "input_layernorm.weight").float(),
                     qkv=projection(
                         [a + f"{x}_proj.weight" for x in "qkv"],
                         [a + f"{x}_proj.bias" for x in "qkv"] if config.attention_bias else None,
                     ),
                     o=projection([a + "o_proj.weight"]),
-                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight").float(),
                     gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=projection([p + "mlp.down_proj.weight"]),
                 )
@@ -136,6 +138,11 @@ class LlamaModel:
         self.rope_cos = angles.cos().float().to(self.device)
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # On CPU, where the C kernels build (kernels/native.py): decode rows
+        # attend through one of them (prompt rows through the torch path),
+        # and every row's norms and RoPE + K/V store through the others.
+        self.native = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and native.library() is not None
+        self.native_decode = self.native and native.supports(config.num_heads, config.num_kv_heads, config.head_dim)
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
 
     @classmethod
@@ -173,8 +180,9 @@ class LlamaModel:
         n_q = c.num_heads * c.head_dim
         n_kv = c.num_kv_heads * c.head_dim
         real = batch.num_tokens  # then pad tokens, which are computed but never stored or read back
-        cos = self.rope_cos.index_select(0, batch.positions)
-        sin = self.rope_sin.index_select(0, batch.positions)
+        if not self.native:
+            cos = self.rope_cos.index_select(0, batch.positions)
+            sin = self.rope_sin.index_select(0, batch.positions)
         gather = self._gather_buffers(batch, cache)
         # The residual stream stays fp32 whatever the weights' dtype: SmolLM2
         # and others grow "attention sink" activations (~25000) whose bf16
@@ -187,21 +195,31 @@ class LlamaModel:
             return p.fixed(x, d) if self.batch_invariant else p(x, d)
 
         for i, layer in enumerate(self.layers):
-            x = ops.rms_norm(h, layer.attn_norm, c.rms_eps).to(self.dtype)
+            x = self._rms_norm(h, layer.attn_norm)
             qkv = project(layer.qkv, x)
-            q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
-            q = ops.apply_rope(q, cos, sin)
-            k = ops.apply_rope(k, cos, sin)
-            ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k[:real], v[:real].contiguous())
+            if self.native:
+                q = native.rope_write_kv(
+                    qkv, batch.positions, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], batch.slot_mapping, c.num_heads, c.num_kv_heads
+                )
+            else:
+                q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
+                k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
+                v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
+                q = ops.apply_rope(q, cos, sin)
+                k = ops.apply_rope(k, cos, sin)
+                ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k[:real], v[:real].contiguous())
             attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
             h = h + project(layer.o, attn.reshape(-1, n_q))
-            x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps).to(self.dtype)
+            x = self._rms_norm(h, layer.mlp_norm)
             gate, up = project(layer.gate_up, x).chunk(2, dim=-1)
             h = h + project(layer.down, F.silu(gate) * up)
-        last = ops.rms_norm(h.index_select(0, batch.last_index), self.norm, c.rms_eps).to(self.dtype)
-        return self._head(last)
+        return self._head(self._rms_norm(h.index_select(0, batch.last_index), self.norm))
+
+    def _rms_norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The fp32 residual rows ``h`` normed and cast to the weights' dtype."""
+        if self.native:
+            return native.rms_norm(h, weight, self.config.rms_eps, self.dtype)
+        return ops.rms_norm(h, weight, self.config.rms_eps).to(self.dtype)
 
     def _head(self, last: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the final-normed rows ``last``."""
@@ -216,20 +234,21 @@ class LlamaModel:
         group at a time, so they share the gather buffers); pad tokens'
         rows are zeros."""
         if len(batch.groups) == 1 and batch.groups[0].count == q.shape[0]:
-            g = batch.groups[0]
-            return ops.paged_attention(
-                q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, fixed=g.fixed, gather_into=gather
-            )
+            return self._group_attention(q, k_cache, v_cache, batch.groups[0], gather)
         out = q.new_empty(q.shape)
         end = 0
         for g in batch.groups:
             end = g.first + g.count
-            out[g.first : end] = ops.paged_attention(
-                q[g.first : end], k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale,
-                flash=g.flash, fixed=g.fixed, gather_into=gather,
-            )
+            out[g.first : end] = self._group_attention(q[g.first : end], k_cache, v_cache, g, gather)
         out[end:].zero_()
         return out
+
+    def _group_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g, gather) -> torch.Tensor:
+        if g.decode and self.native_decode:
+            return native.decode_attention(q, k_cache, v_cache, g.block_tables, g.lengths, self.scale).to(q.dtype)
+        return ops.paged_attention(
+            q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, fixed=g.fixed, gather_into=gather
+        )
 
     def _gather_buffers(self, batch: StepBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat scratch buffers that any group's gathered keys and values

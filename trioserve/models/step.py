@@ -70,6 +70,8 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, max_q, MB * block_size] bool, True = may attend
     flash: bool
     fixed: bool = False
+    lengths: torch.Tensor | None = None  # [S] long, keys each sequence attends to (start + new tokens)
+    decode: bool = False  # the step's decode rows, one query each
 
 
 @attrs.frozen
@@ -158,7 +160,9 @@ def _mask(chunks: Sequence[SeqChunk], max_q: int, keys: int, device) -> torch.Te
     return mask.to(device)
 
 
-def _group(chunks: Sequence[SeqChunk], first: int, block_size: int, buckets: bool, fixed: bool, device) -> AttentionGroup:
+def _group(
+    chunks: Sequence[SeqChunk], first: int, block_size: int, buckets: bool, fixed: bool, device, *, decode: bool = False
+) -> AttentionGroup:
     longest = max(len(c.token_ids) for c in chunks)
     most_blocks = max(len(c.block_table) for c in chunks)
     max_q = bucket(longest) if buckets else longest
@@ -174,6 +178,8 @@ def _group(chunks: Sequence[SeqChunk], first: int, block_size: int, buckets: boo
         mask=_mask(chunks, max_q, max_blocks * block_size, device),
         flash=not fixed and longest >= SDPA_MIN_QUERIES,
         fixed=fixed,
+        lengths=torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.long, device=device),
+        decode=decode,
     )
 
 
@@ -209,7 +215,7 @@ def build_step(
         positions.extend([0] * pad)
     groups = []
     if num_decode:
-        groups.append(_group(chunks[:num_decode], 0, block_size, buckets, fixed, device))
+        groups.append(_group(chunks[:num_decode], 0, block_size, buckets, fixed, device, decode=True))
     if num_decode < len(chunks):
         groups.append(_group(chunks[num_decode:], num_decode, block_size, buckets, fixed, device))
     return StepBatch(

@@ -1,0 +1,209 @@
+"""The C decode-attention kernel (kernels/native.py) against its torch twin
+(kernels/reference.paged_attention) on odd shapes, its batch invariance,
+its refusals, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from trioserve.kernels import native, reference
+from trioserve.models.step import SeqChunk, build_step
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 3e-2}  # the twin rounds scores and probabilities to bf16
+
+
+def _case(gen, *, seqs, heads, kv_heads, dim, block_size, dtype, extra=0):
+    """A pool, a decode step of ``seqs`` sequences with ragged lengths (not
+    multiples of the block size, one of a single key) and scattered blocks."""
+    lengths = [1 + (17 * s + 5 + extra) % (5 * block_size) for s in range(seqs)]
+    lengths[0] = 1
+    if seqs > 1:
+        lengths[1] = 3 * block_size  # exactly full blocks
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 7
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, used = [], 0
+    for n in lengths:
+        nb = -(-n // block_size)
+        chunks.append(SeqChunk([1], n - 1, order[used : used + nb], decode=True))
+        used += nb
+    k = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    q = torch.randn(seqs, heads, dim, generator=gen).to(dtype)
+    return q, k, v, chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seqs", [1, 3, 33])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (128, 32)])
+def test_matches_the_torch_twin(dtype, seqs, heads, kv_heads, dim, block_size):
+    gen = torch.Generator().manual_seed(seqs * 1000 + heads * 10 + dim)
+    q, k, v, chunks = _case(gen, seqs=seqs, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=dtype)
+    g = build_step(chunks, block_size).groups[0]
+    assert g.decode
+    want = reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, dim**-0.5).float()
+    got = native.decode_attention(q, k, v, g.block_tables, g.lengths, dim**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (seqs, heads, dim)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_is_the_same_bits_in_any_company_padding_or_thread_split(dtype):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, chunks = _case(gen, seqs=32, heads=9, kv_heads=3, dim=64, block_size=16, dtype=dtype, extra=200)
+    crowd = build_step(chunks, 16, fixed=True).groups[0]  # tables padded to whole KV tiles
+    together = native.decode_attention(q, k, v, crowd.block_tables, crowd.lengths, 0.125, threads=2)
+    single = native.decode_attention(q, k, v, crowd.block_tables, crowd.lengths, 0.125, threads=1)
+    assert torch.equal(together, single)
+    for s in (0, 1, 5, 31):
+        alone = build_step([chunks[s]], 16, buckets=False).groups[0]  # unpadded table
+        out = native.decode_attention(q[s : s + 1], k, v, alone.block_tables, alone.lengths, 0.125)
+        assert torch.equal(out[0], together[s]), s
+    # A few others, in another order.
+    picked = [9, 2, 30]
+    some = build_step([chunks[s] for s in picked], 16).groups[0]
+    out = native.decode_attention(q[picked], k, v, some.block_tables, some.lengths, 0.125)
+    assert torch.equal(out, together[picked])
+
+
+def test_refuses_reads_outside_the_pool_and_shapes_it_does_not_take():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, chunks = _case(gen, seqs=2, heads=4, kv_heads=2, dim=64, block_size=16, dtype=torch.float32)
+    g = build_step(chunks, 16, buckets=False).groups[0]
+    too_long = g.lengths.clone()
+    too_long[1] = g.block_tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="outside the block tables or the pool"):
+        native.decode_attention(q, k, v, g.block_tables, too_long, 0.125)
+    bad_block = g.block_tables.clone()
+    bad_block[0, 0] = k.shape[1]
+    with pytest.raises(RuntimeError, match="outside the block tables or the pool"):
+        native.decode_attention(q, k, v, bad_block, g.lengths, 0.125)
+    with pytest.raises(RuntimeError, match="take bfloat16 or float32 alike"):
+        native.decode_attention(q.half(), k.half(), v.half(), g.block_tables, g.lengths, 0.125)
+    assert not native.supports(4, 2, 72) and not native.supports(34, 2, 64) and native.supports(9, 3, 64)
+    odd = torch.randn(2, 4, 72)
+    with pytest.raises(RuntimeError, match="head dim 72"):
+        native.decode_attention(odd, torch.randn(2, 8, 16, 72), torch.randn(2, 8, 16, 72), g.block_tables, g.lengths, 0.1)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """library() rebuilt for one test in an empty cache, then as it was."""
+    monkeypatch.setenv("TRIOSERVE_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_disabled_or_unbuildable_falls_back_with_a_warning(fresh_library, monkeypatch, caplog):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.library() is None
+    with pytest.raises(RuntimeError, match="not available"):
+        native.decode_attention(torch.randn(1, 1, 16), torch.randn(1, 1, 16, 16), torch.randn(1, 1, 16, 16), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0.25)
+    native.library.cache_clear()
+    monkeypatch.delenv(native.DISABLE_ENV)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="trioserve.kernels.native"):
+        assert native.library() is None
+    assert "native kernels not built" in caplog.text and "/nonexistent/cc" in caplog.text
+
+
+def test_builds_once_into_the_cache_by_a_key_of_source_and_cpu(fresh_library, tmp_path):
+    first = native.build(out_dir=tmp_path)
+    assert first.parent == tmp_path and first.name.startswith("cpu_kernels-") and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert native.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    assert native.library() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 64), (33, 100), (7, 17)])
+def test_rms_norm_matches_the_torch_twin_row_by_row(dtype, rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=gen) * 30
+    x[0, 0] = 2.5e4  # an "attention sink" sized value
+    weight = torch.rand(n, generator=gen) + 0.5
+    got = native.rms_norm(x, weight, 1e-5, dtype)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    want = reference.rms_norm(x, weight, 1e-5).to(dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    for r in range(rows):  # a row alone is the same bits
+        assert torch.equal(native.rms_norm(x[r : r + 1], weight, 1e-5, dtype)[0], got[r])
+    with pytest.raises(RuntimeError, match="fp32 rows"):
+        native.rms_norm(x.to(torch.bfloat16), weight, 1e-5, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 16)])
+@pytest.mark.parametrize(("rows", "real"), [(1, 1), (5, 3), (33, 33)])
+def test_rope_and_kv_write_are_bit_identical_to_the_torch_twin(dtype, heads, kv_heads, dim, rows, real):
+    gen = torch.Generator().manual_seed(rows + heads + dim)
+    block_size, num_blocks, max_pos = 16, 9, 200
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    positions = torch.randint(0, max_pos, (rows,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:real]
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), torch.rand(dim // 2, generator=gen, dtype=torch.float64))
+    cos, sin = angles.cos().float(), angles.sin().float()
+    caches = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype) for _ in range(2)]
+    want_k, want_v = (c.clone() for c in caches)
+    q_ref = qkv[:, : heads * dim].view(rows, heads, dim)
+    k_ref = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    v_ref = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+    want_q = reference.apply_rope(q_ref, c, s)
+    reference.write_kv(want_k, want_v, slots, reference.apply_rope(k_ref, c, s)[:real], v_ref[:real].contiguous())
+    got_k, got_v = caches
+    q = native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots, heads, kv_heads)
+    assert q.dtype == dtype and q.shape == (rows, heads, dim)
+    assert torch.equal(q, want_q)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)  # pad rows stored nothing
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.rope_write_kv(qkv, positions + max_pos, cos, sin, got_k, got_v, slots, heads, kv_heads)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots + num_blocks * block_size, heads, kv_heads)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots, heads + 1, kv_heads)
+
+
+def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_checkpoints):
+    """The tiny model's forward with the C kernels against the same model
+    with them switched off: close logits, the same greedy picks."""
+    from trioserve.models.checkpoint import load_checkpoint
+    from trioserve.models.llama import LlamaModel
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
+        fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+        assert fast.native and fast.native_decode
+        slow.native = slow.native_decode = False
+        prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
+        decode = build_step([SeqChunk([3], 6, [0, 1], decode=True)], 4, fixed=True)
+        caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}
+        for step in (prompt, decode):
+            a, b = fast.forward(step, caches[fast]), slow.forward(step, caches[slow])
+            assert (a - b).abs().max() <= 0.02 * b.abs().max(), dtype
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_bad_native_kernels_value_is_one_error_line_and_exit_2(command, tiny_checkpoints):
+    """TRIOSERVE_NATIVE_KERNELS=sometimes: one line naming the variable and
+    the value, exit 2, nothing loaded; the hypercorn path refuses it too."""
+    from tests.test_cli import run_cli
+    from trioserve.config import native_kernels_setting, settings_from_env
+
+    args = ["--model", str(tiny_checkpoints["gguf_f32"])]
+    args += ["--port", "0"] if command == "serve" else ["--prompt", "hi", "--max-tokens", "2"]
+    proc = run_cli(command, *args, env={"TRIOSERVE_NATIVE_KERNELS": "sometimes"})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines() == ["trioserve: error: TRIOSERVE_NATIVE_KERNELS: must be true or false, got 'sometimes'"]
+    with pytest.raises(ValueError, match=r"TRIOSERVE_NATIVE_KERNELS: must be true or false, got 'sometimes'"):
+        settings_from_env({"TRIOSERVE_NATIVE_KERNELS": "sometimes"})
+    assert native_kernels_setting({}) and native_kernels_setting({"TRIOSERVE_NATIVE_KERNELS": "on"})
+    assert not native_kernels_setting({"TRIOSERVE_NATIVE_KERNELS": " Off "})

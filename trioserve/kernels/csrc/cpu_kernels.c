@@ -1,0 +1,288 @@
+/* CPU kernels for the forward pass, each a twin of a torch reference in
+ * kernels/reference.py (tests/kernels/test_native.py). Built by
+ * trioserve/kernels/native.py with the system C compiler.
+ *
+ *   trioserve_decode_attention  paged attention of decode rows (below)
+ *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
+ *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
+ *
+ * Every kernel computes a row from that row alone, so its result is the
+ * same bits in any company (batch invariance).
+ *
+ * Decode attention: one query token per sequence, attending to the keys and
+ * values where they lie in the block pool (no gathered copy).
+ *
+ * Layouts (all contiguous, row-major):
+ *   q        [S, H, D]            the decode rows' queries (after RoPE)
+ *   k, v     [KVH, NB, BS, D]     one layer of the block pool
+ *   tables   [S, MB] int64        block ids per sequence (padded entries unread)
+ *   lens     [S] int64            keys each sequence attends to (its new token included)
+ *   out      [S, H, D] float32
+ * Query head h reads KV head h / (H / KVH).
+ *
+ * Arithmetic: every (sequence, KV head) item is computed by one thread from
+ * its own query, keys and values alone, in an order fixed by its own length:
+ * scores (fp32 dot products, summed in 16 lanes then a fixed tree), their
+ * maximum, exp by the polynomial below, the weighted sum of values key by
+ * key. Nothing depends on the other sequences, how many there are, how the
+ * work is split between threads, or the padding of the tables, so a row's
+ * result is the same bits in any company (batch invariance). */
+
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_GROUP 16
+#define MAX_THREADS 64
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), relative error ~2e-7:
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n
+ * put in the exponent bits. Below -87 it returns 0. Plain arithmetic, so
+ * the compiler vectorizes the loop that calls it. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+static inline float lane_sum(const float *acc) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *tables, *lens;
+    float *out;
+    int64_t heads, kv_heads, num_blocks, block_size, dim, max_blocks;
+    float scale;
+    int bf16;
+} Job;
+
+static inline float load(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* One (sequence, KV head) item. Always inlined into `run_item`'s cases, so
+ * for the common shapes dim and group are constants and the compiler keeps
+ * the accumulators in vector registers. */
+static inline __attribute__((always_inline)) void item_body(const Job *job, int64_t item, float *scores, const int64_t dim,
+                                                           const int64_t group, const int bf16) {
+    const int64_t bs = job->block_size;
+    const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
+    const int64_t len = job->lens[s];
+    const int64_t *table = job->tables + s * job->max_blocks;
+    float qf[MAX_GROUP][LANES * 16], kf[LANES * 16], acc[MAX_GROUP][LANES * 16];
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
+        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->k, at + d, bf16);
+        for (int64_t j = 0; j < group; j++) {
+            float lanes[LANES] = {0};
+            for (int64_t d0 = 0; d0 < dim; d0 += LANES)
+                for (int l = 0; l < LANES; l++) lanes[l] += qf[j][d0 + l] * kf[d0 + l];
+            scores[j * len + t] = lane_sum(lanes);
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sc = scores + j * len;
+        float top = sc[0];
+        for (int64_t t = 1; t < len; t++) top = sc[t] > top ? sc[t] : top;
+        for (int64_t t = 0; t < len; t++) sc[t] = exp_nonpositive(sc[t] - top);
+        float lanes[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= len; t += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += sc[t + l];
+        float sum = lane_sum(lanes);
+        for (; t < len; t++) sum += sc[t];
+        const float inv = 1.0f / sum;
+        for (t = 0; t < len; t++) sc[t] *= inv;
+    }
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t d = 0; d < dim; d++) acc[j][d] = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
+        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->v, at + d, bf16);
+        for (int64_t j = 0; j < group; j++) {
+            const float p = scores[j * len + t];
+            for (int64_t d = 0; d < dim; d++) acc[j][d] += p * kf[d];
+        }
+    }
+    for (int64_t j = 0; j < group; j++)
+        memcpy(job->out + (s * job->heads + g * group + j) * dim, acc[j], (size_t)dim * sizeof(float));
+}
+
+/* The same arithmetic for every shape; the cases only let the compiler
+ * specialize the loops (a row's bits do not depend on which case runs,
+ * since every shape takes exactly one). */
+#define CASE(D, G)                                                                  \
+    if (dim == D && group == G) {                                                   \
+        if (job->bf16) item_body(job, item, scores, D, G, 1);                        \
+        else item_body(job, item, scores, D, G, 0);                                  \
+        return;                                                                     \
+    }
+
+static void run_item(const Job *job, int64_t item, float *scores) {
+    const int64_t dim = job->dim, group = job->heads / job->kv_heads;
+    CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
+    CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
+    if (job->bf16) item_body(job, item, scores, dim, group, 1);
+    else item_body(job, item, scores, dim, group, 0);
+}
+
+/* Returns 0 on success, 1 on a shape this kernel does not take (head dim
+ * not a multiple of 16 or above 256, more than 16 query heads per KV head),
+ * 2 when memory could not be had, 3 when a length or block id would read
+ * outside the pool. threads: at most this many, from the OpenMP runtime
+ * torch itself runs on (the library links the libgomp torch has loaded,
+ * so no second pool competes for the cores); small calls run on the
+ * caller's thread alone. Which thread computes an item changes nothing. */
+int trioserve_decode_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *lens,
+                               float *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                               int64_t block_size, int64_t dim, int64_t max_blocks, float scale, int bf16, int threads) {
+    if (dim % LANES || dim > LANES * 16 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP)
+        return 1;
+    int64_t most = 1;
+    for (int64_t s = 0; s < seqs; s++) { /* nothing is read outside the pool */
+        if (lens[s] < 1 || lens[s] > max_blocks * block_size) return 3;
+        for (int64_t b = 0; b * block_size < lens[s]; b++)
+            if (tables[s * max_blocks + b] < 0 || tables[s * max_blocks + b] >= num_blocks) return 3;
+        most = lens[s] > most ? lens[s] : most;
+    }
+    const Job job = {q, k, v, tables, lens, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale, bf16};
+    const int64_t items = seqs * kv_heads, group = heads / kv_heads;
+    int n = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    if (items * most * dim < ((int64_t)1 << 16)) n = 1; /* waking threads would cost more than it saves */
+    if (n > items) n = (int)items;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(n * most * group));
+    if (scores == NULL) return 2;
+#pragma omp parallel for num_threads(n) schedule(static) if (n > 1)
+    for (int64_t item = 0; item < items; item++) {
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        run_item(&job, item, scores + (size_t)me * most * group);
+    }
+    free(scores);
+    return 0;
+}
+
+/* fp32 -> bf16, round to nearest even, as torch casts (NaN stays NaN).
+ * Branch-free, so loops that call it vectorize. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+static inline void store(void *base, int64_t i, float f, int bf16) {
+    if (bf16) ((uint16_t *)base)[i] = float_to_bf16(f);
+    else ((float *)base)[i] = f;
+}
+
+/* Rows at or above this many go to the OpenMP threads (a row's result never
+ * depends on which thread computes it). */
+#define PARALLEL_ROWS 64
+
+static inline __attribute__((always_inline)) void rms_norm_row(const float *row, const float *weight, void *out, int64_t r,
+                                                              int64_t n, float eps, const int bf16) {
+    float lanes[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += row[i + l] * row[i + l];
+    float sum = lane_sum(lanes);
+    for (; i < n; i++) sum += row[i] * row[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (i = 0; i < n; i++) store(out, r * n + i, row[i] * inv * weight[i], bf16);
+}
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, in fp32, stored as
+ * bf16 (bf16 = 1) or fp32. x [rows, n] and weight [n] fp32; out [rows, n].
+ * The sum of squares runs in 16 lanes, then the fixed tree, then the tail. */
+void trioserve_rms_norm(const float *x, const float *weight, void *out, int64_t rows, int64_t n, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) rms_norm_row(x + r * n, weight, out, r, n, eps, 1);
+        else rms_norm_row(x + r * n, weight, out, r, n, eps, 0);
+    }
+}
+
+/* One head of one row: x1 c - x2 s and x2 c + x1 s in fp32, rounded once. */
+static inline __attribute__((always_inline)) void rotate(const void *src, int64_t in, void *dst, int64_t at, const float *c,
+                                                        const float *sn, int64_t half, const int bf16) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = load(src, in + i, bf16), x2 = load(src, in + half + i, bf16);
+        const float a = x1 * c[i], b = x2 * sn[i], e = x2 * c[i], f = x1 * sn[i];
+        store(dst, at + i, a - b, bf16);
+        store(dst, at + half + i, e + f, bf16);
+    }
+}
+
+static inline __attribute__((always_inline)) void rope_row(const void *qkv, const int64_t *positions, const float *cos,
+                                                          const float *sin, void *q_out, void *k_cache, void *v_cache,
+                                                          const int64_t *slots, int64_t t, int64_t real, int64_t heads,
+                                                          int64_t kv_heads, int64_t dim, int64_t num_slots, const int bf16) {
+    const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    const float *c = cos + positions[t] * half, *sn = sin + positions[t] * half;
+    for (int64_t h = 0; h < heads; h++) rotate(qkv, t * width + h * dim, q_out, (t * heads + h) * dim, c, sn, half, bf16);
+    if (t >= real) return; /* a pad row: its k and v are never stored */
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const int64_t at = (h * num_slots + slots[t]) * dim;
+        rotate(qkv, t * width + (heads + h) * dim, k_cache, at, c, sn, half, bf16);
+        const int64_t in = t * width + (heads + kv_heads + h) * dim;
+        if (bf16) memcpy((uint16_t *)v_cache + at, (const uint16_t *)qkv + in, (size_t)dim * 2);
+        else memcpy((float *)v_cache + at, (const float *)qkv + in, (size_t)dim * 4);
+    }
+}
+
+/* qkv [rows, (H + 2 KVH) * D] in the model dtype: each row's q, k, v heads.
+ * Rotate-half RoPE (pair i is (x[i], x[i + D/2])) with cos, sin [*, D/2]
+ * fp32 at the row's position, computed as the torch twin does (with no
+ * fused multiply-adds: the same bits). Writes the rotated q to
+ * q_out [rows, H, D]; for the first `real` rows, the rotated k and the v to
+ * the pool k_cache, v_cache [KVH, NB * BS, D] at slots[t]. Returns 3 when a
+ * position or slot is out of range, else 0. */
+int trioserve_rope_write_kv(const void *qkv, const int64_t *positions, const float *cos, const float *sin, void *q_out,
+                            void *k_cache, void *v_cache, const int64_t *slots, int64_t rows, int64_t real, int64_t heads,
+                            int64_t kv_heads, int64_t dim, int64_t max_position, int64_t num_slots, int bf16) {
+    for (int64_t t = 0; t < rows; t++) {
+        if (positions[t] < 0 || positions[t] >= max_position) return 3;
+        if (t < real && (slots[t] < 0 || slots[t] >= num_slots)) return 3;
+    }
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < rows; t++) {
+        if (bf16) rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 1);
+        else rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 0);
+    }
+    return 0;
+}

@@ -1,0 +1,227 @@
+"""Small C kernels for the CPU, built on first use with the system C
+compiler and called through ctypes.
+
+Why: a decode step of the default model runs ~30 small torch operators per
+layer, and paged attention alone was a third of a one-row step, most of it
+gathering cached K/V into padded copies and the operators around the
+reduction (bench/README.md, "Performance"). `decode_attention` reads the
+blocks where they lie, one call per layer; `rms_norm` (with the cast) and
+`rope_write_kv` (RoPE on q and k with the K/V store) replace ~20 small
+operators each.
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp`` (OpenMP from the libgomp torch loads); the
+shared object goes to ``$TRIOSERVE_CACHE_DIR`` (default
+``~/.cache/trioserve``) under a name made from the source, the flags, the
+compiler's version and this CPU's feature flags, so an edit, another
+compiler or another CPU builds anew. Builds are atomic (write, then
+rename), so concurrent processes are safe. Where no compiler works, or
+``TRIOSERVE_NATIVE_KERNELS=0``, `library()` is None and the model uses the
+torch reference (kernels/reference.py), with a warning saying why. Both
+give a row the same result in any company; their bits differ from each
+other (a reduction order of their own), so outputs are the same only
+between machines that use the same one."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trioserve.config import NATIVE_KERNELS_ENV as DISABLE_ENV
+from trioserve.config import native_kernels_setting
+from trioserve.kernels.cpu import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# -ffp-contract=off: no fused multiply-adds, so elementwise kernels round
+# exactly as their torch twins (RoPE is bit-identical to it).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRIOSERVE_CACHE_DIR") or Path.home() / ".cache" / "trioserve")
+
+
+def _compiler_version(cc: str) -> str:
+    done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    return done.stdout
+
+
+def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
+    """Compile the kernels (or find them built) and return the shared
+    object's path. Raises OSError or subprocess.SubprocessError on failure."""
+    cc = cc or os.environ.get("CC") or "cc"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(), " ".join(sorted(cpu_flags())).encode()):
+        key.update(part)
+        key.update(b"\0")
+    out_dir = out_dir or cache_dir()
+    target = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120, check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (see the module docstring); built once per process."""
+    try:
+        if not native_kernels_setting(os.environ):
+            return None
+    except ValueError as e:
+        log.warning("%s; using the torch reference", e)
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except subprocess.CalledProcessError as e:
+        log.warning("native kernels not built (%s); using the torch reference: %s", e.cmd[0], (e.stderr or "").strip()[-500:])
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native kernels not built; using the torch reference: %s", e)
+        return None
+    fn = lib.trioserve_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 6 + [_i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn = lib.trioserve_rms_norm
+    fn.restype = None
+    fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.trioserve_rope_write_kv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_int]
+    return lib
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    return lib
+
+
+def _float_kind(*tensors: torch.Tensor) -> int:
+    """1 for bfloat16, 0 for float32 (all alike, on CPU, contiguous); else RuntimeError."""
+    dtype = tensors[0].dtype
+    if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype for t in tensors):
+        raise RuntimeError(f"native kernels take bfloat16 or float32 alike, got {', '.join(str(t.dtype) for t in tensors)}")
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise RuntimeError("native kernels take contiguous CPU tensors")
+    return int(dtype == torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """`reference.rms_norm` of fp32 rows x [T, n] with an fp32 weight [n],
+    then cast to ``dtype`` (bfloat16 or float32), in one pass. Sums of
+    squares are taken in an order of the kernel's own, so the bits differ
+    from torch's by rounding."""
+    lib = _lib()
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise RuntimeError(f"rms_norm takes fp32 rows [T, n] and an fp32 weight [n], got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    kind = _float_kind(out)
+    lib.trioserve_rms_norm(x.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, kind)
+    return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """RoPE and the K/V write of one layer in one pass, the twin of
+    `reference.apply_rope` on q and k then `reference.write_kv` (bit-identical
+    to them). qkv [T, (H + 2 KVH) * D] packed rows; positions [T]; cos, sin
+    [max_position, D/2] fp32; k_cache, v_cache [KVH, NB, BS, D]; slots [R]
+    for the first R rows (the rest are padding: rotated, never stored).
+    Returns the rotated queries [T, H, D] in qkv's dtype."""
+    lib = _lib()
+    rows = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.shape != sin.shape or cos.shape[1] * 2 != dim:
+        raise RuntimeError(f"rope_write_kv: qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of {dim}")
+    qkv = qkv.contiguous()
+    q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
+    kind = _float_kind(qkv, q, k_cache, v_cache)
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise RuntimeError("rope_write_kv takes contiguous fp32 cos and sin tables")
+    positions = positions.to(torch.int64).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[1] * k_cache.shape[2]
+    code = lib.trioserve_rope_write_kv(
+        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), rows, slots.shape[0], heads, kv_heads, dim, cos.shape[0], num_slots, kind,
+    )  # fmt: skip
+    if code:
+        raise RuntimeError("rope_write_kv: a position or slot is out of range")
+    return q
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence to its first ``lengths[s]``
+    cached keys, read through ``block_tables`` where they lie.
+
+    q [S, H, D]; k_cache, v_cache [KVH, NB, BS, D] (q's dtype: bfloat16 or
+    float32, CPU); block_tables [S, MB] and lengths [S] int64. Returns
+    [S, H, D] float32. Each row's result depends only on its own query,
+    keys and values (the C source says how). Raises RuntimeError when the
+    kernels are not available or the shapes are not ones they take."""
+    lib = _lib()
+    seqs, heads, dim = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    q = q.contiguous()
+    kind = _float_kind(q, k_cache, v_cache)
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = lengths.to(torch.int64).contiguous()
+    out = torch.empty(seqs, heads, dim, dtype=torch.float32)
+    code = lib.trioserve_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        seqs, heads, kv_heads, num_blocks, block_size, dim, tables.shape[1],
+        scale, kind, threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if code == 1:
+        raise RuntimeError(f"decode_attention does not take head dim {dim} with {heads} heads over {kv_heads} KV heads")
+    if code == 3:
+        raise RuntimeError("decode_attention: a length or block id is outside the block tables or the pool")
+    if code:
+        raise RuntimeError("decode_attention could not allocate its scratch memory")
+    return out
+
+
+def supports(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether `decode_attention` takes this attention shape."""
+    return dim % 16 == 0 and dim <= 256 and kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 16
