@@ -138,14 +138,22 @@ def _grouped_attention(
     return _heads_back(torch.matmul(probs, values), q.shape)
 
 
-def _attention_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _attention_probs(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, row_tile: int | None = None
+) -> torch.Tensor:
     """Softmax(q k^T * scale) under ``mask``, in fp32 then cast to q's dtype:
-    [KVH, S, group * Q, L], the query heads sharing a KV head stacked as rows."""
+    [KVH, S, group * Q, L], the query heads sharing a KV head stacked as rows.
+    ``row_tile``: the scores matmul takes the rows that many at a time (see
+    `_row_tiled_matmul`)."""
     n_seqs, n_q, heads, dim = q.shape
     kv_heads, length = keys.shape[0], keys.shape[2]
     group = heads // kv_heads
     rows = q.view(n_seqs, n_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, n_seqs, group * n_q, dim)
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(scale)
+    if row_tile is None:
+        scores = torch.matmul(rows, keys.transpose(-1, -2))
+    else:
+        scores = _row_tiled_matmul(rows, keys.transpose(-1, -2), row_tile)
+    scores = scores.float().mul_(scale)
     allowed = mask[:, None].expand(n_seqs, group, n_q, length).reshape(n_seqs, group * n_q, length)
     return torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).to(q.dtype)
 
@@ -160,6 +168,20 @@ def _heads_back(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 # Keys per tile of `fixed_order_attention`'s reduction: a multiple of the
 # vector width, large enough that few partial sums are left to add.
 KV_TILE = 128
+# Query rows per matmul call of fp32 `fixed_order_attention` (see there).
+FP32_ROW_TILE = 16
+
+
+def _row_tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
+    """``a @ b`` ([..., R, K] @ [..., K, N]) with a's rows padded to a
+    multiple of ``tile`` and multiplied ``tile`` at a time, in one batched
+    call, so every row goes through a matmul of the same shape whatever R."""
+    rows = a.shape[-2]
+    padded = -(-rows // tile) * tile
+    if padded != rows:
+        a = torch.cat([a, a.new_zeros(*a.shape[:-2], padded - rows, a.shape[-1])], dim=-2)
+    out = torch.matmul(a.reshape(*a.shape[:-2], padded // tile, tile, a.shape[-1]), b.unsqueeze(-3))
+    return out.reshape(*out.shape[:-3], padded, out.shape[-1])[..., :rows, :]
 
 
 def fixed_order_attention(
@@ -184,10 +206,19 @@ def fixed_order_attention(
     if length % KV_TILE:
         raise ValueError(f"fixed-order attention needs a key length that is a multiple of {KV_TILE}, got {length}")
     tiles = length // KV_TILE
-    probs = _attention_probs(q, keys, mask, scale)
+    # fp32 matmuls take another kernel for a call of very few rows (a
+    # one-token chunk's 1-4 query heads per KV head) than for more, with
+    # other rounding; bf16 ones were measured not to. So in fp32 both
+    # products take the rows FP32_ROW_TILE at a time.
+    row_tile = FP32_ROW_TILE if q.dtype == torch.float32 else None
+    probs = _attention_probs(q, keys, mask, scale, row_tile)
     # [KVH, S, tiles, rows, KV_TILE] @ [KVH, S, tiles, KV_TILE, D]: one partial product per tile.
     by_tile = probs.view(kv_heads, n_seqs, -1, tiles, KV_TILE).transpose(2, 3).contiguous()
-    partial = torch.matmul(by_tile, values.view(kv_heads, n_seqs, tiles, KV_TILE, dim)).float()
+    tiled_values = values.view(kv_heads, n_seqs, tiles, KV_TILE, dim)
+    if row_tile is None:
+        partial = torch.matmul(by_tile, tiled_values).float()
+    else:
+        partial = _row_tiled_matmul(by_tile, tiled_values, row_tile).float()
     while partial.shape[2] > 1:
         if partial.shape[2] % 2:
             partial = torch.cat([partial, partial.new_zeros(partial[:, :, :1].shape)], dim=2)
