@@ -19,6 +19,7 @@ import attrs
 import torch
 import trio
 
+from trioserve.actors.device import DeviceThread, open_device_thread, release_openmp_threads
 from trioserve.actors.messages import Cancel, SampleRequest, SchedulerMessage, StepRequest, Submit
 from trioserve.actors.sampler import run_sampler
 from trioserve.actors.scheduler import Scheduler, run_scheduler
@@ -200,18 +201,26 @@ async def open_engine(
 ) -> AsyncIterator[Engine]:
     """Start an engine. ``checkpoint`` skips loading ``config.model``;
     ``model`` (built from that checkpoint) skips building the model."""
-    if checkpoint is None:
-        checkpoint = await trio.to_thread.run_sync(
-            lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype), progress=progress)
-        )
-    if model is None:
-        model = await trio.to_thread.run_sync(
-            lambda: LlamaModel.from_checkpoint(
-                checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant
+    async with open_device_thread() as device:
+        if checkpoint is None:
+            checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype), progress=progress))
+        if model is None:
+            model = await device.run(
+                lambda: LlamaModel.from_checkpoint(
+                    checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant
+                )
             )
-        )
-    elif model.batch_invariant != config.batch_invariant:
-        raise ValueError(f"the model was built with batch_invariant={model.batch_invariant}, the config says {config.batch_invariant}")
+        elif model.batch_invariant != config.batch_invariant:
+            raise ValueError(f"the model was built with batch_invariant={model.batch_invariant}, the config says {config.batch_invariant}")
+        # Whatever torch work this thread did (a checkpoint loaded by the
+        # caller) left OpenMP helpers that would slow the device thread's.
+        release_openmp_threads()
+        async with _open_engine(config, checkpoint, model, device) as engine:
+            yield engine
+
+
+@contextlib.asynccontextmanager
+async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: LlamaModel, device: DeviceThread) -> AsyncIterator[Engine]:
     max_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
     num_blocks = blocks_for_budget(config.kv_cache_bytes, model.kv_bytes_per_token(), config.block_size)
     if num_blocks < 1:
@@ -220,7 +229,7 @@ async def open_engine(
             f"({model.kv_bytes_per_token() * config.block_size} bytes)",
             field="kv_cache_bytes",
         )
-    cache = await trio.to_thread.run_sync(model.new_kv_cache, num_blocks, config.block_size)
+    cache = await device.run(model.new_kv_cache, num_blocks, config.block_size)
     settings = CoreSettings(
         num_blocks=num_blocks,
         block_size=config.block_size,
@@ -233,6 +242,7 @@ async def open_engine(
         prefix_cache_max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()) if config.prefix_cache else None,
         prefix_cache_idle_s=config.prefix_cache_idle_s,
         share_generated_kv=not config.batch_invariant,
+        draft_tokens=config.draft_tokens,
     )
     core = new_core(settings, checkpoint.tokenizer)
     writer = None
@@ -246,8 +256,8 @@ async def open_engine(
     scheduler = Scheduler(core, worker_send)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides)
-            await nursery.start(run_worker, model, cache, worker_recv, sampler_send)
+            await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides, device)
+            await nursery.start(run_worker, model, cache, worker_recv, sampler_send, device)
             await nursery.start(run_scheduler, scheduler, inbox_recv)
             engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
             engine.trace_path = None if writer is None else writer.path

@@ -14,6 +14,7 @@ import time
 import torch
 import trio
 
+from trioserve.actors.device import DeviceThread, run_blocking
 from trioserve.actors.messages import SampleRequest, StepRequest, deliver
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.types import StepPlan, StepResult
@@ -68,12 +69,31 @@ def _malloc_trim():
     return trim
 
 
+def step_chunks(plan: StepPlan) -> tuple[list[SeqChunk], list[int]]:
+    """The model's chunks for ``plan`` and, in the order of the plan's
+    sampling rows, the chunks whose logits are sampled. A row with a
+    speculative draft becomes one decode chunk per token, each with its own
+    logits: every position computes exactly what decoding it alone would."""
+    chunks: list[SeqChunk] = []
+    index: list[int] = []
+    for r in plan.rows:
+        if r.sample is not None and r.sample.draft:
+            for i, token in enumerate(r.token_ids):
+                index.append(len(chunks))
+                chunks.append(SeqChunk((token,), r.start + i, r.block_table, decode=True))
+            continue
+        if r.sample is not None:
+            index.append(len(chunks))
+        chunks.append(SeqChunk(r.token_ids, r.start, r.block_table, r.decode))
+    return chunks, index
+
+
 def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | torch.Tensor:
     """The blocking part, run in the worker thread: the logits of the
     plan's sampling rows ([rows, vocab] fp32 on the CPU), or the StepResult
     that says why there are none."""
     try:
-        chunks = [SeqChunk(r.token_ids, r.start, r.block_table, r.decode) for r in plan.rows]
+        chunks, index = step_chunks(plan)
         batch = build_step(chunks, block_size, model.device, fixed=model.batch_invariant)
         if int(batch.positions.max()) >= model.config.max_position:
             raise StepRefused(f"position {int(batch.positions.max())} is past the model's context")
@@ -81,7 +101,6 @@ def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | 
         return StepResult(plan.number, refused=str(exc))
     try:
         logits = model.forward(batch, cache)
-        index = [i for i, r in enumerate(plan.rows) if r.sample is not None]
         wanted = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
         return wanted.float().cpu()
     except StepRefused as exc:
@@ -95,12 +114,14 @@ async def run_worker(
     cache,
     inbox: trio.MemoryReceiveChannel[StepRequest],
     sampler: trio.MemorySendChannel[SampleRequest],
+    device: DeviceThread | None = None,
     *,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve StepRequests from ``inbox`` until it closes. The logits of a
     step go straight to the sampler, which replies to the channel the
     request carries; a step that samples nothing or failed is answered here.
+    Steps run on ``device`` (actors/device.py; None: trio's worker threads).
     Cancellation waits for a running step to return (threads cannot be
     interrupted), then ends the actor."""
     block_size = cache.block_size
@@ -109,7 +130,7 @@ async def run_worker(
     async with inbox:
         async for request in inbox:
             plan = request.plan
-            out = await trio.to_thread.run_sync(forward_step, model, cache, block_size, plan)
+            out = await run_blocking(device, forward_step, model, cache, block_size, plan)
             if isinstance(out, StepResult):
                 deliver(request.reply, out)  # False: the scheduler stopped waiting
             elif not plan.sampling:
