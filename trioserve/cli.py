@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, EngineConfig, batch_invariant_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import DTYPE_NAMES, SPECULATIVE_MODES, EngineConfig, batch_invariant_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB)")
     srv.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 429 (default 256)")
     srv.add_argument("--prefill-budget", type=_positive_int, default=512, help="tokens per engine step (default 512)")
+    srv.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="off",
+        help="speculative decoding: 'ngram' drafts tokens from the request's own history and checks them in the same step; "
+        "outputs are unchanged (default off)",
+    )
+    srv.add_argument("--speculative-tokens", type=_positive_int, default=4, help="most draft tokens per sequence and step (default 4)")
     srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV blocks between requests with the same prompt prefix")
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
     srv.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, help="most KV memory the prefix cache keeps for idle blocks, e.g. 64MiB (default: as much as fits)")
@@ -268,6 +276,8 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache_idle_s=args.prefix_cache_idle,
         record_dir=args.record,
         batch_invariant=batch_invariant_setting(args.batch_invariant, dict(os.environ)),
+        speculative=args.speculative,
+        speculative_tokens=args.speculative_tokens,
     )
     settings = ServerSettings(
         engine=engine,

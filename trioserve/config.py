@@ -23,6 +23,9 @@ def _seconds(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
 
+SPECULATIVE_MODES = ("off", "ngram")
+
+
 @attrs.frozen
 class EngineConfig:
     """What the engine serves and its limits.
@@ -62,6 +65,15 @@ class EngineConfig:
     prefix_cache_max_bytes: int | None = attrs.field(default=None, validator=_positive)
     prefix_cache_idle_s: float | None = attrs.field(default=None, validator=_positive)
     record_dir: str | None = None  # write a trace of the run there (docs/replay.md)
+    # Speculative decoding: "off", or "ngram" (prompt-lookup drafts of up to
+    # speculative_tokens tokens, checked in the same step; outputs unchanged).
+    speculative: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
+    speculative_tokens: int = attrs.field(default=4, validator=_positive)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens per decode row the core plans (0: off)."""
+        return self.speculative_tokens if self.speculative == "ngram" else 0
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_budget <= self.max_num_seqs:
@@ -178,6 +190,12 @@ def native_kernels_setting(environ: Mapping[str, str]) -> bool:
         raise ValueError(f"{NATIVE_KERNELS_ENV}: {exc}") from None
 
 
+def _speculative(text: str) -> str:
+    if text not in SPECULATIVE_MODES:
+        raise ValueError(f"must be one of {', '.join(SPECULATIVE_MODES)}, got {text!r}")
+    return text
+
+
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
 _ENV = {
     "TRIOSERVE_MODEL": ("engine.model", str),
@@ -194,6 +212,8 @@ _ENV = {
     "TRIOSERVE_PREFIX_CACHE_IDLE": ("engine.prefix_cache_idle_s", float),
     "TRIOSERVE_RECORD": ("engine.record_dir", str),
     "TRIOSERVE_BATCH_INVARIANT": ("engine.batch_invariant", _flag),
+    "TRIOSERVE_SPECULATIVE": ("engine.speculative", _speculative),
+    "TRIOSERVE_SPECULATIVE_TOKENS": ("engine.speculative_tokens", int),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),

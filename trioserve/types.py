@@ -201,6 +201,10 @@ class SampleRow:
     seed: int
     draw_index: int
     history: Sequence[int] = ()
+    # Speculative tokens after the next one (the row's logits then come one
+    # per position): the sampler keeps the tokens it would have drawn anyway,
+    # up to and including the first that differs from the draft.
+    draft: tuple[int, ...] = ()
 
 
 @attrs.frozen

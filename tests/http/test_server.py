@@ -525,7 +525,7 @@ async def test_queue_full_gets_429(nursery, tiny_gguf, slow_steps):
 METRIC_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "steps", "prompt_tokens",
     "generated_tokens", "finished", "queue_wait", "ttft", "inter_token", "end_to_end", "dead", "prefix_cache", "sessions",
-    "batch_invariant",
+    "batch_invariant", "speculative",
 }
 
 
@@ -537,6 +537,7 @@ async def test_health_and_metrics(server):
             assert health.headers["Access-Control-Allow-Origin"] == "*"
             before = await metrics(client)
             assert set(before) == METRIC_KEYS, set(before) ^ METRIC_KEYS
+            assert before["speculative"] == {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0}  # off by default
             assert before["kv_blocks_total"] == 4 * MAX_MODEL_LEN // 4 and before["kv_blocks_used"] == 0 and before["dead"] is None
             assert before["batch_invariant"] is True  # the default
             for key in ("queue_wait", "ttft", "inter_token", "end_to_end"):

@@ -86,6 +86,8 @@ class CoreSettings:
     # Whether generated tokens' KV may serve later prompts (off in
     # batch-invariant mode). Traces from before it existed ran with it on.
     share_generated_kv: bool = True
+    # Prompt-lookup draft tokens per decode row (0: no speculative decoding).
+    draft_tokens: int = 0
 
 
 def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
@@ -103,6 +105,7 @@ def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
         retry_after=settings.retry_after_s,
         prefix_cache=prefixes,
         share_generated_kv=settings.share_generated_kv,
+        draft_tokens=settings.draft_tokens,
     )
     return EngineCore(policy, tokenizer)
 
@@ -208,6 +211,11 @@ class EngineCore:
             raise CoreMisuse(f"step {result.step} has {len(sampling)} sampling rows but its result has {len(result.sampled)}")
         events: list[Event] = []
         for row, tokens in zip(sampling, result.sampled, strict=True):
+            if row.draft:  # the tokens after the first were drafted, and right
+                kept = min(len(tokens) - 1, len(row.draft))
+                self.policy.accepted(row, kept)
+                self.stats.draft_tokens += len(row.draft)
+                self.stats.draft_accepted += kept
             for sampled in tokens:
                 if self._commit(row.seq, sampled, now, events):
                     break
@@ -270,7 +278,7 @@ class EngineCore:
         sample = None
         if row.samples:
             history = tuple(seq.history()) if seq.params.penalized else ()
-            sample = SampleRow(seq.params, seq.seed, seq.draw_index, history)
+            sample = SampleRow(seq.params, seq.seed, seq.draw_index, history, row.draft)
         return PlanRow(
             seq.id,
             tuple(row.tokens),

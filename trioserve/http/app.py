@@ -335,6 +335,11 @@ def _stats_body(engine: Engine) -> dict:
         "steps": s.steps,
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": s.generated_tokens,
+        "speculative": {
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.draft_accepted,
+            "acceptance_rate": s.draft_accepted / s.draft_tokens if s.draft_tokens else 0.0,
+        },
         "finished": dict(s.finished),
         "queue_wait": lat(s.queue_wait),
         "ttft": lat(s.ttft),

@@ -41,6 +41,8 @@ def render(stats: EngineStats, model: str, *, batch_invariant: bool) -> str:
     _single(lines, "counter", "trioserve_prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens)
     _single(lines, "counter", "trioserve_generation_tokens", "Tokens generated.", stats.generated_tokens)
     _single(lines, "counter", "trioserve_engine_steps", "Engine steps run.", stats.steps)
+    _single(lines, "counter", "trioserve_spec_decode_draft_tokens", "Speculative draft tokens checked.", stats.draft_tokens)
+    _single(lines, "counter", "trioserve_spec_decode_accepted_tokens", "Speculative draft tokens kept.", stats.draft_accepted)
     _single(lines, "gauge", "trioserve_requests_running", "Requests admitted and not finished (in flight).", stats.running)
     _single(lines, "gauge", "trioserve_requests_waiting", "Requests waiting for admission.", stats.waiting)
     _single(lines, "gauge", "trioserve_batch_size", "Rows of the last engine step.", stats.last_batch)

@@ -16,7 +16,10 @@ Rules:
   the owner commits (the pins become the owner's) or cancels (let go).
 - A step takes every running sequence's decode token first, then prefill
   chunks in admission order until the per-step token budget is spent, so a
-  long prompt delays decoding rows by at most one chunk per step."""
+  long prompt delays decoding rows by at most one chunk per step.
+- With speculative decoding (``draft_tokens``), a decode row also carries a
+  guess at the tokens after its next one (state/ngram.py); the step checks
+  them, and only what the model would have generated anyway is kept."""
 
 from __future__ import annotations
 
@@ -28,15 +31,26 @@ import attrs
 
 from trioserve.errors import QueueFull, RequestTooLarge
 from trioserve.state.kv_pool import BlockPool, blocks_needed
+from trioserve.state.ngram import propose
 from trioserve.state.prefix_cache import PrefixCache, held_key
 from trioserve.state.sequence import Sequence
 
 
+# Speculative drafts are planned only while at most this many sequences
+# decode (bench/README.md, "Speculative decoding").
+DRAFT_MAX_ROWS = 4
+
+
 @attrs.frozen
 class PlannedRow:
+    """``tokens`` go in at positions start, start + 1, ...; the last
+    ``len(draft)`` of them are a speculative guess at what the sequence
+    generates next (a decode row only), which the step checks."""
+
     seq: Sequence
     tokens: list[int]
     start: int  # position of tokens[0]
+    draft: tuple[int, ...] = ()
 
     @property
     def decode(self) -> bool:
@@ -46,7 +60,7 @@ class PlannedRow:
     @property
     def samples(self) -> bool:
         """Whether this row's logits pick a token: its chunk reaches the end."""
-        return self.start + len(self.tokens) == self.seq.num_tokens
+        return self.start + len(self.tokens) - len(self.draft) == self.seq.num_tokens
 
 
 class SchedulingPolicy:
@@ -61,9 +75,11 @@ class SchedulingPolicy:
         retry_after: float = 1.0,
         prefix_cache: PrefixCache | None = None,
         share_generated_kv: bool = True,
+        draft_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.draft_tokens = draft_tokens
         self.share_generated_kv = share_generated_kv
         self.cache = prefix_cache
         self.clock = clock
@@ -177,9 +193,11 @@ class SchedulingPolicy:
         rows = []
         decoding = [s for s in self.running if s.num_cached >= len(s.prompt_ids)]
         prefilling = [s for s in self.running if s.num_cached < len(s.prompt_ids)]
+        per_row = self._draft_room(len(decoding))
         for seq in decoding:
-            rows.append(PlannedRow(seq, seq.pending(1), seq.num_cached))
-            budget -= 1
+            draft = self._draft(seq, per_row)
+            rows.append(PlannedRow(seq, seq.pending(1) + list(draft), seq.num_cached, draft))
+            budget -= 1 + len(draft)
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -188,13 +206,39 @@ class SchedulingPolicy:
             budget -= len(tokens)
         return rows
 
+    def _draft_room(self, decoding: int) -> int:
+        """Draft tokens each decode row may carry this step: none beyond
+        DRAFT_MAX_ROWS decoding sequences (where a step is no longer bound
+        by reading the weights, verifying costs real work), and at most a
+        half of the budget the decode rows leave, so prefill goes on."""
+        if not self.draft_tokens or not decoding or decoding > DRAFT_MAX_ROWS:
+            return 0
+        return min(self.draft_tokens, (self.prefill_budget - decoding) // decoding // 2)
+
+    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """A prompt-lookup guess at ``seq``'s next tokens (state/ngram.py):
+        none for a guided sequence (its constraint moves token by token)
+        and never past what it may still generate after the next token."""
+        limit = min(room, seq.params.max_tokens - seq.generated - 1)
+        if limit < 1 or seq.guide is not None:
+            return ()
+        return tuple(propose(seq.history(), limit))
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self.pool.table(seq.id)
 
     def stepped(self, rows: list[PlannedRow]) -> None:
-        """The rows' tokens are now in the cache."""
+        """The rows' tokens are now in the cache; a draft's count only once
+        `accepted` says how much of it was right (the K/V the rest wrote
+        lies past the sequence's end, and the next step writes over it
+        before anything reads it)."""
         for row in rows:
-            row.seq.num_cached = row.start + len(row.tokens)
+            row.seq.num_cached = row.start + len(row.tokens) - len(row.draft)
+
+    def accepted(self, row: PlannedRow, n: int) -> None:
+        """The first ``n`` draft tokens of ``row`` were what the model generates."""
+        assert 0 <= n <= len(row.draft)
+        row.seq.num_cached += n
 
     def finish(self, seq: Sequence, reason: str, *, remember: bool = True) -> None:
         """Take a running sequence out and return its blocks; its full blocks

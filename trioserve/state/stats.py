@@ -48,6 +48,8 @@ class EngineStats:
     dead: str | None = None
     last_batch: int = 0  # rows of the most recent step
     prefix: PrefixStats | None = None  # None when the prefix cache is off
+    draft_tokens: int = 0  # speculative draft tokens checked
+    draft_accepted: int = 0  # of them, kept (the model generated them)
 
     def finished_count(self, reason: str) -> int:
         return dict(self.finished).get(reason, 0)
@@ -83,6 +85,8 @@ class StatsRecorder:
         self.last_batch = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.draft_tokens = 0
+        self.draft_accepted = 0
         self.finished: Counter[str] = Counter()
         self.queue_wait = _Series()
         self.ttft = _Series()
@@ -110,4 +114,6 @@ class StatsRecorder:
             dead=self.dead,
             last_batch=self.last_batch,
             prefix=prefix,
+            draft_tokens=self.draft_tokens,
+            draft_accepted=self.draft_accepted,
         )
