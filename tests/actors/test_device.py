@@ -84,3 +84,12 @@ async def test_the_engine_runs_forward_and_sampling_on_its_device_thread(tiny_ch
 async def _drain(engine, request) -> None:
     async for _ in engine.generate(request):
         pass
+
+
+def test_without_openmp_helpers_returns_and_raises_what_its_function_does():
+    from trioserve.actors.device import without_openmp_helpers
+
+    x = torch.randn(256, 256)
+    assert torch.equal(without_openmp_helpers(lambda: x @ x), x @ x)
+    with pytest.raises(KeyError):
+        without_openmp_helpers(lambda: {}["missing"])

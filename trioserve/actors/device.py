@@ -117,3 +117,13 @@ def release_openmp_threads() -> bool:
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
     return pause(2) == 0  # omp_pause_hard
+
+
+def without_openmp_helpers(fn: Callable[[], T]) -> T:
+    """``fn()``, then the calling thread's OpenMP helpers released: for torch
+    work done outside the device thread (loading a checkpoint in one of
+    trio's threads, which then live on serving other jobs)."""
+    try:
+        return fn()
+    finally:
+        release_openmp_threads()

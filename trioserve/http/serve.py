@@ -20,6 +20,7 @@ from trioserve.errors import TrioserveError
 from trioserve.engine import resolve_dtype
 from trioserve.http.app import create_app
 from trioserve.http.transport import TransportLimits, serve_http
+from trioserve.actors.device import without_openmp_helpers
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.progress import ProgressBar
 
@@ -81,7 +82,7 @@ async def serve_app(
     if checkpoint is None:
         progress = ProgressBar("Loading weights")
         checkpoint = await trio.to_thread.run_sync(
-            lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype), progress=progress)
+            without_openmp_helpers, lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype), progress=progress)
         )
         progress.finish(f" ({checkpoint.path})")
     app = create_app(settings, checkpoint=checkpoint)
