@@ -128,24 +128,26 @@ def test_a_rejected_draft_counts_for_nothing_and_is_never_shared(tiny_checkpoint
         num_blocks=32, block_size=2, max_num_seqs=2, max_model_len=128, prefill_budget=16, max_queue=4, draft_tokens=3
     )
     core = new_core(settings, tok)
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    assert core.submit("r", GenerateRequest(prompt, SamplingParams(max_tokens=8, temperature=0.0, seed=0)), 0.0) is None
+    prompt = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, seed=0, ignore_eos=True)  # 2 is the end token
+    assert core.submit("r", GenerateRequest(prompt, params), 0.0) is None
     _, plan = core.plan(1.0)
     assert plan.rows[0].sample.draft == ()  # prefill rows never carry drafts
-    core.result(StepResult(plan.number, ((Sampled(7, 0),),)), 1.1)  # the model says 7, as the draft will guess
+    core.result(StepResult(plan.number, ((Sampled(3, 0),),)), 1.1)  # the model says 3
     _, plan = core.plan(1.2)
     row = plan.rows[0]
-    assert row.decode and row.token_ids == (7, 5, 6, 7) and row.sample.draft == (5, 6, 7) and row.start == len(prompt)
-    core.result(StepResult(plan.number, ((Sampled(6, 0),),)), 1.3)  # 6, not the draft's 5
+    # "1 2 3" last occurred before "8 1 2"
+    assert row.decode and row.token_ids == (3, 8, 1, 2) and row.sample.draft == (8, 1, 2) and row.start == len(prompt)
+    core.result(StepResult(plan.number, ((Sampled(9, 0),),)), 1.3)  # 9, not the draft's 8
     seq = core.seqs["r"]
-    assert seq.num_cached == len(prompt) + 1 and seq.output_ids == [7, 6]
+    assert seq.num_cached == len(prompt) + 1 and seq.output_ids == [3, 9]
     _, plan = core.plan(1.4)
     row = plan.rows[0]
-    assert row.start == len(prompt) + 1 and row.token_ids[0] == 6  # fed where the rejected 5 was written
+    assert row.start == len(prompt) + 1 and row.token_ids[0] == 9  # fed where the rejected 8 was written
     draft = row.sample.draft
-    assert draft == (7, 6)  # what followed the latest earlier 6
+    assert draft == (1, 2, 3)  # what followed the earlier "3 9"
     core.result(StepResult(plan.number, (tuple(Sampled(t, 0) for t in (*draft, 4)),)), 1.5)  # all kept, and a bonus 4
-    assert seq.num_cached == len(prompt) + 2 + len(draft) and seq.output_ids == [7, 6, 7, 6, 4]
+    assert seq.num_cached == len(prompt) + 2 + len(draft) and seq.output_ids == [3, 9, 1, 2, 3, 4]
     s = core.snapshot()
     assert (s.draft_tokens, s.draft_accepted) == (3 + len(draft), len(draft))
     # Run it out: every block comes back, and what the cache registered
@@ -165,7 +167,9 @@ def test_the_proposer_finds_the_latest_longest_match():
     assert propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
     assert propose([1, 2, 3, 8, 2, 3, 9, 2, 3], 2) == [9, 2]  # the latest of two equal matches
     assert propose([4, 2, 3, 7, 8, 1, 5, 3, 6, 2, 3], 2) == [7, 8]  # "2 3" beats the later "3"
-    assert propose([1, 2, 3], 4) == [] and propose([1, 2, 1], 0) == [] and propose([7], 3) == []
+    assert propose([5, 3, 6, 1, 3], 2) == []  # a lone matching token is not enough by default
+    assert propose([5, 3, 6, 1, 3], 2, min_n=1) == [6, 1]
+    assert propose([1, 2, 3], 4) == [] and propose([1, 2, 1, 2], 0) == [] and propose([7], 3) == []
     assert propose([5, 5, 5, 5], 3) == [5]
     assert propose([1, 2, 3, 9, 1, 2, 3], 3, min_n=4) == []
 
