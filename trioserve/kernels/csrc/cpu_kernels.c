@@ -22,7 +22,8 @@
  *
  * Arithmetic: every (sequence, KV head) item is computed by one thread from
  * its own query, keys and values alone, in an order fixed by its own length:
- * scores (fp32 dot products, summed in 16 lanes then a fixed tree), their
+ * scores (fp32 dot products, with fused multiply-adds where the CPU has
+ * them: ATTENTION_MATH below; summed in 16 lanes then a fixed tree), their
  * maximum, exp by the polynomial below, the weighted sum of values key by
  * key. Nothing depends on the other sequences, how many there are, how the
  * work is split between threads, or the padding of the tables, so a row's
@@ -92,7 +93,12 @@ static inline float load(const void *base, int64_t i, int bf16) {
 /* One (sequence, KV head) item. Always inlined into `run_item`'s cases, so
  * for the common shapes dim and group are constants and the compiler keeps
  * the accumulators in vector registers. */
-static inline __attribute__((always_inline)) void item_body(const Job *job, int64_t item, float *scores, const int64_t dim,
+/* The attention loops may fuse multiplies and adds (the library is built
+ * without contraction, for the elementwise kernels' sake); the result is
+ * still fixed for a given build and CPU. */
+#define ATTENTION_MATH __attribute__((optimize("fp-contract=fast")))
+
+static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const Job *job, int64_t item, float *scores, const int64_t dim,
                                                            const int64_t group, const int bf16) {
     const int64_t bs = job->block_size;
     const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
@@ -139,6 +145,80 @@ static inline __attribute__((always_inline)) void item_body(const Job *job, int6
         memcpy(job->out + (s * job->heads + g * group + j) * dim, acc[j], (size_t)dim * sizeof(float));
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 bf16x16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* `item_body` for bf16 with a head dim of 64, in AVX-512 registers: a
+ * score is 4 fused multiply-adds of 16 lanes and the lanes' fixed
+ * reduction, a value row 4 fused multiply-adds into each query head's
+ * accumulators. Its own fixed order, so a row's bits still depend on
+ * nothing but the row. */
+static inline __attribute__((always_inline)) void item_bf16_d64(const Job *job, int64_t item, float *scores, const int64_t group) {
+    const int64_t bs = job->block_size;
+    const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
+    const int64_t len = job->lens[s];
+    const int64_t *table = job->tables + s * job->max_blocks;
+    const uint16_t *q = (const uint16_t *)job->q, *kc = (const uint16_t *)job->k, *vc = (const uint16_t *)job->v;
+    const __m512 scale = _mm512_set1_ps(job->scale);
+    __m512 qv[MAX_GROUP][4], acc[MAX_GROUP][4];
+    for (int64_t j = 0; j < group; j++)
+        for (int c = 0; c < 4; c++) {
+            qv[j][c] = _mm512_mul_ps(bf16x16(q + (s * job->heads + g * group + j) * 64 + 16 * c), scale);
+            acc[j][c] = _mm512_setzero_ps();
+        }
+    for (int64_t t = 0; t < len; t++) {
+        const uint16_t *key = kc + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
+        const __m512 k0 = bf16x16(key), k1 = bf16x16(key + 16), k2 = bf16x16(key + 32), k3 = bf16x16(key + 48);
+        for (int64_t j = 0; j < group; j++) {
+            __m512 a = _mm512_mul_ps(qv[j][0], k0);
+            a = _mm512_fmadd_ps(qv[j][1], k1, a);
+            a = _mm512_fmadd_ps(qv[j][2], k2, a);
+            a = _mm512_fmadd_ps(qv[j][3], k3, a);
+            scores[j * len + t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sc = scores + j * len;
+        float top = sc[0];
+        for (int64_t t = 1; t < len; t++) top = sc[t] > top ? sc[t] : top;
+        for (int64_t t = 0; t < len; t++) sc[t] = exp_nonpositive(sc[t] - top);
+        float lanes[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= len; t += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += sc[t + l];
+        float sum = lane_sum(lanes);
+        for (; t < len; t++) sum += sc[t];
+        const float inv = 1.0f / sum;
+        for (t = 0; t < len; t++) sc[t] *= inv;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        const uint16_t *val = vc + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
+        const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
+        for (int64_t j = 0; j < group; j++) {
+            const __m512 p = _mm512_set1_ps(scores[j * len + t]);
+            acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+            acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+            acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+        }
+    }
+    for (int64_t j = 0; j < group; j++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(job->out + (s * job->heads + g * group + j) * 64 + 16 * c, acc[j][c]);
+}
+#define FAST_BF16_D64(G)                                                            \
+    if (job->bf16 && dim == 64 && group == G) {                                     \
+        item_bf16_d64(job, item, scores, G);                                        \
+        return;                                                                     \
+    }
+#else
+#define FAST_BF16_D64(G)
+#endif
+
 /* The same arithmetic for every shape; the cases only let the compiler
  * specialize the loops (a row's bits do not depend on which case runs,
  * since every shape takes exactly one). */
@@ -149,8 +229,9 @@ static inline __attribute__((always_inline)) void item_body(const Job *job, int6
         return;                                                                     \
     }
 
-static void run_item(const Job *job, int64_t item, float *scores) {
+static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores) {
     const int64_t dim = job->dim, group = job->heads / job->kv_heads;
+    FAST_BF16_D64(1) FAST_BF16_D64(2) FAST_BF16_D64(3) FAST_BF16_D64(4) FAST_BF16_D64(8)
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
     if (job->bf16) item_body(job, item, scores, dim, group, 1);
