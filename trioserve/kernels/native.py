@@ -128,18 +128,20 @@ def _float_kind(*tensors: torch.Tensor) -> int:
     return int(dtype == torch.bfloat16)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True) -> torch.Tensor:
     """`reference.rms_norm` of fp32 rows x [T, n] with an fp32 weight [n],
     then cast to ``dtype`` (bfloat16 or float32), in one pass. Sums of
     squares are taken in an order of the kernel's own, so the bits differ
-    from torch's by rounding."""
+    from torch's by rounding. ``checked=False``: as for `decode_attention`
+    (x and weight contiguous fp32, dtype bfloat16 or float32)."""
     lib = _lib()
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise RuntimeError(f"rms_norm takes fp32 rows [T, n] and an fp32 weight [n], got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-    x = x.contiguous()
+    if checked:
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.shape != (x.shape[1],):
+            raise RuntimeError(f"rms_norm takes fp32 rows [T, n] and an fp32 weight [n], got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+        x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty(x.shape, dtype=dtype)
-    kind = _float_kind(out)
-    lib.trioserve_rms_norm(x.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, kind)
+    kind = _float_kind(out) if checked else int(dtype == torch.bfloat16)
+    lib.trioserve_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, kind)
     return out
 
 
@@ -153,25 +155,31 @@ def rope_write_kv(
     slots: torch.Tensor,
     heads: int,
     kv_heads: int,
+    *,
+    checked: bool = True,
 ) -> torch.Tensor:
     """RoPE and the K/V write of one layer in one pass, the twin of
     `reference.apply_rope` on q and k then `reference.write_kv` (bit-identical
     to them). qkv [T, (H + 2 KVH) * D] packed rows; positions [T]; cos, sin
     [max_position, D/2] fp32; k_cache, v_cache [KVH, NB, BS, D]; slots [R]
     for the first R rows (the rest are padding: rotated, never stored).
-    Returns the rotated queries [T, H, D] in qkv's dtype."""
+    Returns the rotated queries [T, H, D] in qkv's dtype. ``checked=False``:
+    as for `decode_attention`."""
     lib = _lib()
     rows = qkv.shape[0]
     dim = k_cache.shape[-1]
     if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.shape != sin.shape or cos.shape[1] * 2 != dim:
         raise RuntimeError(f"rope_write_kv: qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of {dim}")
-    qkv = qkv.contiguous()
     q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
-    kind = _float_kind(qkv, q, k_cache, v_cache)
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise RuntimeError("rope_write_kv takes contiguous fp32 cos and sin tables")
-    positions = positions.to(torch.int64).contiguous()
-    slots = slots.to(torch.int64).contiguous()
+    if checked:
+        qkv = qkv.contiguous()
+        kind = _float_kind(qkv, q, k_cache, v_cache)
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise RuntimeError("rope_write_kv takes contiguous fp32 cos and sin tables")
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+    else:
+        kind = int(qkv.dtype == torch.bfloat16)
     num_slots = k_cache.shape[1] * k_cache.shape[2]
     code = lib.trioserve_rope_write_kv(
         qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
@@ -191,6 +199,7 @@ def decode_attention(
     scale: float,
     *,
     threads: int | None = None,
+    checked: bool = True,
 ) -> torch.Tensor:
     """Attention of one query token per sequence to its first ``lengths[s]``
     cached keys, read through ``block_tables`` where they lie.
@@ -199,14 +208,20 @@ def decode_attention(
     float32, CPU); block_tables [S, MB] and lengths [S] int64. Returns
     [S, H, D] float32. Each row's result depends only on its own query,
     keys and values (the C source says how). Raises RuntimeError when the
-    kernels are not available or the shapes are not ones they take."""
+    kernels are not available or the shapes are not ones they take.
+    ``checked=False`` skips the dtype and layout checks and conversions (a
+    few microseconds a call) for a caller that guarantees them, as the model
+    does; the kernel's own bounds checks always run."""
     lib = _lib()
     seqs, heads, dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
-    q = q.contiguous()
-    kind = _float_kind(q, k_cache, v_cache)
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = lengths.to(torch.int64).contiguous()
+    if checked:
+        q = q.contiguous()
+        kind = _float_kind(q, k_cache, v_cache)
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = lengths.to(torch.int64).contiguous()
+    else:
+        kind, tables, lens = int(q.dtype == torch.bfloat16), block_tables, lengths
     out = torch.empty(seqs, heads, dim, dtype=torch.float32)
     code = lib.trioserve_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),

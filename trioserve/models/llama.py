@@ -177,6 +177,10 @@ class LlamaModel:
             raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
         if batch.fixed != self.batch_invariant:
             raise ValueError(f"a step built with fixed={batch.fixed} for a model with batch_invariant={self.batch_invariant}")
+        if self.native:  # what the C kernels are then called with, unchecked, on every layer
+            for t in (batch.positions, batch.slot_mapping, *(g.block_tables for g in batch.groups), *(g.lengths for g in batch.groups)):
+                if t.dtype != torch.int64 or not t.is_contiguous():
+                    raise ValueError("a step's index tensors must be contiguous int64")
         n_q = c.num_heads * c.head_dim
         n_kv = c.num_kv_heads * c.head_dim
         real = batch.num_tokens  # then pad tokens, which are computed but never stored or read back
@@ -199,8 +203,9 @@ class LlamaModel:
             qkv = project(layer.qkv, x)
             if self.native:
                 q = native.rope_write_kv(
-                    qkv, batch.positions, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], batch.slot_mapping, c.num_heads, c.num_kv_heads
-                )
+                    qkv.contiguous(), batch.positions, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], batch.slot_mapping,
+                    c.num_heads, c.num_kv_heads, checked=False,
+                )  # fmt: skip
             else:
                 q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
                 k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
@@ -218,7 +223,7 @@ class LlamaModel:
     def _rms_norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The fp32 residual rows ``h`` normed and cast to the weights' dtype."""
         if self.native:
-            return native.rms_norm(h, weight, self.config.rms_eps, self.dtype)
+            return native.rms_norm(h.contiguous(), weight, self.config.rms_eps, self.dtype, checked=False)
         return ops.rms_norm(h, weight, self.config.rms_eps).to(self.dtype)
 
     def _head(self, last: torch.Tensor) -> torch.Tensor:
@@ -245,7 +250,8 @@ class LlamaModel:
 
     def _group_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g, gather) -> torch.Tensor:
         if g.decode and self.native_decode:
-            return native.decode_attention(q, k_cache, v_cache, g.block_tables, g.lengths, self.scale).to(q.dtype)
+            out = native.decode_attention(q.contiguous(), k_cache, v_cache, g.block_tables, g.lengths, self.scale, checked=False)
+            return out.to(q.dtype)
         return ops.paged_attention(
             q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, fixed=g.fixed, gather_into=gather
         )
