@@ -93,6 +93,27 @@ static inline float load(const void *base, int64_t i, int bf16) {
 /* One (sequence, KV head) item. Always inlined into `run_item`'s cases, so
  * for the common shapes dim and group are constants and the compiler keeps
  * the accumulators in vector registers. */
+/* Each of `group` score rows of `len` (scores[j * len + t]) turned into
+ * probabilities in place: minus its maximum, exp, divided by its sum (in
+ * 16 lanes, the fixed tree, then the tail). Not inlined, and built without
+ * contraction, so both attention paths round it alike. */
+static void softmax_rows(float *scores, int64_t len, int64_t group) {
+    for (int64_t j = 0; j < group; j++) {
+        float *sc = scores + j * len;
+        float top = sc[0];
+        for (int64_t t = 1; t < len; t++) top = sc[t] > top ? sc[t] : top;
+        for (int64_t t = 0; t < len; t++) sc[t] = exp_nonpositive(sc[t] - top);
+        float lanes[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= len; t += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += sc[t + l];
+        float sum = lane_sum(lanes);
+        for (; t < len; t++) sum += sc[t];
+        const float inv = 1.0f / sum;
+        for (t = 0; t < len; t++) sc[t] *= inv;
+    }
+}
+
 /* The attention loops may fuse multiplies and adds (the library is built
  * without contraction, for the elementwise kernels' sake); the result is
  * still fixed for a given build and CPU. */
@@ -117,20 +138,7 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
             scores[j * len + t] = lane_sum(lanes);
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *sc = scores + j * len;
-        float top = sc[0];
-        for (int64_t t = 1; t < len; t++) top = sc[t] > top ? sc[t] : top;
-        for (int64_t t = 0; t < len; t++) sc[t] = exp_nonpositive(sc[t] - top);
-        float lanes[LANES] = {0};
-        int64_t t = 0;
-        for (; t + LANES <= len; t += LANES)
-            for (int l = 0; l < LANES; l++) lanes[l] += sc[t + l];
-        float sum = lane_sum(lanes);
-        for (; t < len; t++) sum += sc[t];
-        const float inv = 1.0f / sum;
-        for (t = 0; t < len; t++) sc[t] *= inv;
-    }
+    softmax_rows(scores, len, group);
     for (int64_t j = 0; j < group; j++)
         for (int64_t d = 0; d < dim; d++) acc[j][d] = 0.0f;
     for (int64_t t = 0; t < len; t++) {
@@ -182,20 +190,7 @@ static inline __attribute__((always_inline)) void item_bf16_d64(const Job *job, 
             scores[j * len + t] = _mm512_reduce_add_ps(a);
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *sc = scores + j * len;
-        float top = sc[0];
-        for (int64_t t = 1; t < len; t++) top = sc[t] > top ? sc[t] : top;
-        for (int64_t t = 0; t < len; t++) sc[t] = exp_nonpositive(sc[t] - top);
-        float lanes[LANES] = {0};
-        int64_t t = 0;
-        for (; t + LANES <= len; t += LANES)
-            for (int l = 0; l < LANES; l++) lanes[l] += sc[t + l];
-        float sum = lane_sum(lanes);
-        for (; t < len; t++) sum += sc[t];
-        const float inv = 1.0f / sum;
-        for (t = 0; t < len; t++) sc[t] *= inv;
-    }
+    softmax_rows(scores, len, group);
     for (int64_t t = 0; t < len; t++) {
         const uint16_t *val = vc + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
         const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
