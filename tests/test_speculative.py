@@ -190,3 +190,19 @@ def test_bad_speculative_settings_are_refused_by_name():
     assert EngineConfig().draft_tokens == 0 and EngineConfig(speculative="ngram").draft_tokens == 4
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative="eagle")
+
+
+@pytest.mark.parametrize("flags", [(), ("--model",)], ids=["fast", "model"])
+async def test_a_speculative_run_replays_identically(ckpt, tiny_checkpoints, tmp_path, flags):
+    """A recorded run with drafts (kept and rejected) replays: the fresh core
+    plans the same drafts, and --model re-runs and re-samples them alike."""
+    from trioserve import cli
+
+    ckpt = load_checkpoint(tiny_checkpoints["gguf_f32"], dtype=torch.float32)
+    reqs = requests(ckpt.tokenizer.vocab_size)[:4]
+    with trio.fail_after(60):
+        _, stats = await run_all(ckpt, reqs, together=True, speculative="ngram", record_dir=str(tmp_path), max_num_seqs=4, prefill_budget=64)
+    assert 0 < stats.draft_accepted < stats.draft_tokens
+    (trace,) = tmp_path.iterdir()
+    status = await trio.to_thread.run_sync(cli.main, ["replay", str(trace), *flags])
+    assert status == 0

@@ -10,8 +10,10 @@ busy-wait between parallel regions, and each of the few hundred small
 regions of a decode step then pays a wake-up: a one-row step of the
 default model measured 15 ms on a second thread against 7 ms on the first
 (bench/README.md, "Performance"). So the engine's torch work stays on one
-thread, and `release_openmp_threads` frees the helpers of the thread that
-opened the engine (model loading in the main thread makes some).
+thread, and `release_openmp_threads` frees the helpers of any other thread
+that did torch work (the thread that opens the engine; the one `serve`
+loads the checkpoint in, through `without_openmp_helpers`): a thread keeps
+its helpers for as long as it lives, and trio's cached threads live on.
 
 Each call's function runs to its end: like `trio.to_thread.run_sync`, a
 cancelled caller waits for it (threads cannot be interrupted), then sees

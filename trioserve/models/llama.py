@@ -262,7 +262,9 @@ class LlamaModel:
         kept, so steps stop allocating them at all."""
         c = self.config
         per_block = c.num_kv_heads * cache.block_size * c.head_dim
-        need = max(g.block_tables.numel() for g in batch.groups) * per_block
+        # Decode rows through the C kernel read the pool in place: no buffer.
+        torch_groups = [g for g in batch.groups if not (g.decode and self.native_decode)]
+        need = max((g.block_tables.numel() for g in torch_groups), default=0) * per_block
         old = self._scratch
         if old is None or old.dtype != cache.k.dtype or old.device != cache.k.device:
             old = None
