@@ -31,12 +31,18 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import attrs
+import numpy as np
 import torch
 
 from trioserve.config import NATIVE_KERNELS_ENV as DISABLE_ENV
 from trioserve.config import native_kernels_setting
 from trioserve.kernels.cpu import cpu_flags
+
+if TYPE_CHECKING:
+    from trioserve.kernels.int4 import Int4Parts
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +114,11 @@ def library() -> ctypes.CDLL | None:
     fn = lib.trioserve_rope_write_kv
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_int]
+    lib.trioserve_int4_available.restype = ctypes.c_int
+    lib.trioserve_int4_available.argtypes = []
+    fn = lib.trioserve_int4_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
     return lib
 
 
@@ -234,6 +245,71 @@ def decode_attention(
         raise RuntimeError("decode_attention: a length or block id is outside the block tables or the pool")
     if code:
         raise RuntimeError("decode_attention could not allocate its scratch memory")
+    return out
+
+
+@attrs.frozen
+class Int4Pack:
+    """A 4-bit weight [N, K] in `int4_matmul`'s layout (the C source's
+    comment above `trioserve_int4_matmul` draws it): ``packed`` uint8 codes
+    in panels of 32 outputs, ``scales`` f16 d and m per 32 inputs."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+
+
+def int4_supported(n: int, k: int) -> bool:
+    """Whether `int4_matmul` runs here for a [n, k] weight: the kernels
+    built, for a CPU with AVX-512 BF16, and both sizes multiples of 32."""
+    lib = library()
+    return lib is not None and bool(lib.trioserve_int4_available()) and n % 32 == 0 and k % 32 == 0 and n > 0 and k > 0
+
+
+def pack_int4(parts: Int4Parts) -> Int4Pack:
+    """Lay out unpacked 4-bit codes (`Int4Parts`: w = (q - 8) scale + zero)
+    for `int4_matmul`, whose blocks hold w = q d + m: d = scale and
+    m = zero - 8 scale, which is GGUF's own f16 minimum (Q4_1) or -8 d
+    (Q4_0), both exact in f16."""
+    q = parts.q.numpy()
+    n, k = q.shape
+    if n % 32 or k % 32:
+        raise ValueError(f"int4_matmul takes weights whose sizes are multiples of 32, got {n} x {k}")
+    nb = k // 32
+    # [panel, tile, column, block, half, chunk, t]: input 16 * half + 2 * chunk + t of a block
+    codes = q.reshape(n // 32, 2, 16, nb, 2, 8, 2)
+    bytes_ = (codes[:, :, :, :, 0] | (codes[:, :, :, :, 1] << 4)).astype(np.uint8)
+    packed = np.ascontiguousarray(bytes_.transpose(0, 3, 1, 4, 2, 5))  # panel, block, tile, chunk, column, t
+    d = parts.scale.numpy().astype(np.float32)
+    m = parts.zero.numpy().astype(np.float32) - 8 * d
+    both = np.stack([d, m]).astype(np.float16).reshape(2, n // 32, 2, 16, nb)  # which, panel, tile, column, block
+    scales = np.ascontiguousarray(both.transpose(1, 4, 2, 0, 3))  # panel, block, tile, which, column
+    return Int4Pack(torch.from_numpy(packed.reshape(-1)), torch.from_numpy(scales.reshape(-1).view(np.uint16)), n, k)
+
+
+def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
+    """x [R, K] (bfloat16 or float32) times the 4-bit weight's transpose:
+    [R, N] in x's dtype. Each row's result depends on that row alone (the C
+    source says how); it equals x (rounded to bf16) times the dequantized
+    weights up to fp32 summation. ``checked=False``: as for
+    `decode_attention` (x contiguous, bfloat16 or float32, K columns)."""
+    lib = _lib()
+    if checked:
+        if x.dim() != 2 or x.shape[1] != pack.k:
+            raise RuntimeError(f"int4_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
+        x = x.contiguous()
+        _float_kind(x)
+    bf16 = int(x.dtype == torch.bfloat16)
+    out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
+    code = lib.trioserve_int4_matmul(
+        pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
+        bf16, bf16, threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if code == 2:
+        raise RuntimeError("int4_matmul could not allocate its scratch memory")
+    if code:
+        raise RuntimeError(f"int4_matmul does not run here for a {pack.n} x {pack.k} weight (code {code})")
     return out
 
 

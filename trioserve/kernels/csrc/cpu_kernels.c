@@ -5,6 +5,7 @@
  *   trioserve_decode_attention  paged attention of decode rows (below)
  *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
+ *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *
  * Every kernel computes a row from that row alone, so its result is the
  * same bits in any company (batch invariance).
@@ -362,3 +363,145 @@ int trioserve_rope_write_kv(const void *qkv, const int64_t *positions, const flo
     }
     return 0;
 }
+
+/* 4-bit projections of decode rows: y = x W^T with W held as GGUF's 4-bit
+ * blocks, w = q d + m (q in 0..15; d and m per 32 inputs, stored as f16,
+ * which holds GGUF's own f16 values exactly).
+ *
+ * Layout (kernels/native.py `pack_int4` writes it): the N outputs go in
+ * panels of 32 (two tiles of 16), and for panel p, block b, tile u:
+ *   packed  [N/32][K/32][2][8][16][2] bytes: chunk c, column i, t in {0, 1}
+ *           hold q(k = 2c + t) in the low nibble and q(k = 16 + 2c + t) in
+ *           the high one, k counted within the block; one chunk widens to
+ *           two bf16 vectors that pair with inputs (2c, 2c + 1) and
+ *           (16 + 2c, 17 + 2c);
+ *   scales  [N/32][K/32][2][2][16] f16: the tile's 16 d, then its 16 m.
+ * x [R, K] is bf16 (fp32 rows are rounded to bf16 first, as torch's cast
+ * does); out [R, N] fp32 or bf16.
+ *
+ * Arithmetic, the same for every row whatever the others: per block, the
+ * codes (small integers, exact in bf16) are multiplied by the bf16 inputs
+ * in pairs (vdpbf16ps: exact products, summed in fp32), the pairs (2c, 2c+1)
+ * of c = 0..7 into one sum and (16 + 2c, 17 + 2c) into another, in order of
+ * c; then acc += (s0 + s1) d, acc += m xs, where xs is the block's inputs
+ * summed in fp32 in order. Blocks run in order. Rows are taken up to four at
+ * a time so that one widened code vector serves them all; which rows share
+ * a pass, and which thread computes a panel, changes no bit of a row. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define Q4_BLOCK 32
+#define Q4_TILE_BYTES 256
+#define Q4_PASS_ROWS 4
+
+static inline __attribute__((always_inline)) void q4_panel_rows(const uint8_t *w, const uint16_t *sc, const uint16_t *x,
+                                                              const float *xsum, void *out, int64_t nb, int64_t k,
+                                                              int64_t n, const int rows, const int bf16_out) {
+    /* bf16 bit patterns of 0..15 */
+    const __m512i values = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                            0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
+                                            0x4040, 0x4000, 0x3f80, 0);
+    const __m512i nibble = _mm512_set1_epi16(0x0F);
+    __m512 acc[Q4_PASS_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * 2 * Q4_TILE_BYTES;
+        __m512 s0[Q4_PASS_ROWS][2], s1[Q4_PASS_ROWS][2];
+        for (int r = 0; r < rows; r++)
+            for (int u = 0; u < 2; u++) s0[r][u] = s1[r][u] = _mm512_setzero_ps();
+        for (int c = 0; c < 8; c++) {
+            __m512bh lo[2], hi[2];
+            for (int u = 0; u < 2; u++) {
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wb + u * Q4_TILE_BYTES + c * 32)));
+                lo[u] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, nibble), values);
+                hi[u] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), values);
+            }
+            for (int r = 0; r < rows; r++) {
+                const uint16_t *xr = x + r * k + b * Q4_BLOCK;
+                int32_t first, second;
+                memcpy(&first, xr + 2 * c, 4);
+                memcpy(&second, xr + 16 + 2 * c, 4);
+                const __m512bh xa = (__m512bh)_mm512_set1_epi32(first), xb = (__m512bh)_mm512_set1_epi32(second);
+                for (int u = 0; u < 2; u++) {
+                    s0[r][u] = _mm512_dpbf16_ps(s0[r][u], lo[u], xa);
+                    s1[r][u] = _mm512_dpbf16_ps(s1[r][u], hi[u], xb);
+                }
+            }
+        }
+        for (int u = 0; u < 2; u++) {
+            const uint16_t *s = sc + (b * 2 + u) * 32;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+            for (int r = 0; r < rows; r++) {
+                acc[r][u] = _mm512_fmadd_ps(_mm512_add_ps(s0[r][u], s1[r][u]), d, acc[r][u]);
+                acc[r][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r][u]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < 2; u++) {
+            if (bf16_out) {
+                float lanes[16];
+                _mm512_storeu_ps(lanes, acc[r][u]);
+                for (int i = 0; i < 16; i++) ((uint16_t *)out)[r * n + u * 16 + i] = float_to_bf16(lanes[i]);
+            } else {
+                _mm512_storeu_ps((float *)out + r * n + u * 16, acc[r][u]);
+            }
+        }
+}
+
+#define Q4_PASS(R)                                                                  \
+    case R:                                                                         \
+        if (bf16_out) q4_panel_rows(w, sc, xr, xs, o, nb, k, n, R, 1);              \
+        else q4_panel_rows(w, sc, xr, xs, o, nb, k, n, R, 0);                       \
+        break;
+
+int trioserve_int4_available(void) { return 1; }
+
+/* Returns 1 when n or k is not a multiple of 32, 2 when scratch memory
+ * cannot be had, else 0. x_bf16: 1 when x is bf16, 0 when fp32. */
+int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows, int64_t n,
+                          int64_t k, int x_bf16, int bf16_out, int threads) {
+    if (n % 32 || k % Q4_BLOCK) return 1;
+    const int64_t nb = k / Q4_BLOCK, panels = n / 32;
+    uint16_t *xh = malloc((size_t)(rows * k) * sizeof *xh + 1);
+    float *xsum = malloc((size_t)(rows * nb) * sizeof *xsum + 1);
+    if (!xh || !xsum) {
+        free(xh);
+        free(xsum);
+        return 2;
+    }
+    for (int64_t i = 0; i < rows * k; i++) xh[i] = x_bf16 ? ((const uint16_t *)x)[i] : float_to_bf16(((const float *)x)[i]);
+    for (int64_t i = 0; i < rows * nb; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < Q4_BLOCK; j++) s += bf16_to_float(xh[i * Q4_BLOCK + j]);
+        xsum[i] = s;
+    }
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *w = packed + p * nb * 2 * Q4_TILE_BYTES;
+        const uint16_t *sc = scales + p * nb * 2 * 32;
+        for (int64_t r0 = 0; r0 < rows; r0 += Q4_PASS_ROWS) {
+            const uint16_t *xr = xh + r0 * k;
+            const float *xs = xsum + r0 * nb;
+            void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + p * 32) : (void *)((float *)out + r0 * n + p * 32);
+            switch (rows - r0 >= Q4_PASS_ROWS ? Q4_PASS_ROWS : rows - r0) {
+                Q4_PASS(4)
+                Q4_PASS(3)
+                Q4_PASS(2)
+                Q4_PASS(1)
+            }
+        }
+    }
+    free(xh);
+    free(xsum);
+    return 0;
+}
+#else
+int trioserve_int4_available(void) { return 0; }
+int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows, int64_t n,
+                          int64_t k, int x_bf16, int bf16_out, int threads) {
+    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
+    return 4;
+}
+#endif

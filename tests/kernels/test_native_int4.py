@@ -1,0 +1,135 @@
+"""The C 4-bit projection (kernels/native.py `int4_matmul`) against the
+dequantized weights in float64, its batch invariance, its refusals, and
+`Projection`'s choice between it and torch's int4 op.
+
+The kernel needs a CPU with AVX-512 BF16 (this machine kind has it); where
+the CPU lacks it, the tests that run the kernel are skipped and the one that
+checks the fallback runs instead."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from trioserve.kernels import native
+from trioserve.kernels.int4 import Projection, parts_from_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+def _available() -> bool:
+    lib = native.library()
+    return lib is not None and bool(lib.trioserve_int4_available())
+
+
+needs_kernel = pytest.mark.skipif(not _available(), reason="the C int4 kernel needs AVX-512 BF16 and a C compiler")
+
+
+def _parts(n: int, k: int, qtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.1 + rng.uniform(-0.05, 0.05, (n, 1))).astype(np.float32)
+    return parts_from_gguf(gguf.quants.quantize(w, qtype), qtype.name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
+@pytest.mark.parametrize(("n", "k"), [(32, 32), (64, 96), (960, 576), (96, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_matches_the_dequantized_weights(qtype, n, k, rows):
+    """fp32 out: x (bf16 values) times the file's own dequantized weights,
+    up to fp32 summation; bf16 out: that, rounded once to bf16."""
+    parts = _parts(n, k, qtype, seed=n + k + rows)
+    expected = gguf.quants.dequantize(gguf.quants.quantize(parts.dequantize().numpy(), qtype), qtype)
+    np.testing.assert_allclose(parts.dequantize().numpy(), expected.reshape(n, k), atol=1e-6, rtol=0)
+    pack = native.pack_int4(parts)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    exact = x.double() @ parts.dequantize().double().T
+    scale = exact.abs().max()
+    y32 = native.int4_matmul(pack, x.float())
+    assert y32.dtype == torch.float32 and y32.shape == (rows, n)
+    assert (y32.double() - exact).abs().max() <= 1e-5 * scale
+    y16 = native.int4_matmul(pack, x)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, y32.to(torch.bfloat16))
+
+
+@needs_kernel
+def test_a_row_is_the_same_bits_alone_in_company_and_on_any_thread_split():
+    parts = _parts(960, 576, Q.Q4_1, seed=5)
+    pack = native.pack_int4(parts)
+    crowd = torch.randn(37, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    together = native.int4_matmul(pack, crowd, threads=2)
+    assert torch.equal(together, native.int4_matmul(pack, crowd, threads=1))
+    for start, size in [(0, 1), (5, 1), (3, 4), (9, 7), (30, 7)]:
+        assert torch.equal(native.int4_matmul(pack, crowd[start : start + size]), together[start : start + size])
+
+
+@needs_kernel
+def test_refuses_shapes_it_does_not_take():
+    with pytest.raises(ValueError, match="multiples of 32, got 48 x 64"):
+        native.pack_int4(_parts(48, 64, Q.Q4_0))
+    assert not native.int4_supported(48, 64) and not native.int4_supported(64, 48) and native.int4_supported(64, 64)
+    pack = native.pack_int4(_parts(64, 64, Q.Q4_0))
+    with pytest.raises(RuntimeError, match=r"x \(2, 32\) does not have the weight's 64 inputs"):
+        native.int4_matmul(pack, torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        native.int4_matmul(pack, torch.randn(2, 64).half())
+
+
+def test_projection_takes_the_kernel_where_it_runs_and_torch_int4_elsewhere(monkeypatch):
+    """A 64 x 64 weight goes to the C kernel when it runs here; a 48-row one
+    (not a multiple of 32) and any weight with the kernels switched off go to
+    torch's int4 op, whose results stay within its bf16 rounding."""
+    parts = _parts(64, 64, Q.Q4_1, seed=3)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    exact = x.double() @ parts.dequantize().double().T
+    weight = parts.dequantize().to(torch.bfloat16)
+    chosen = Projection(weight, None, parts)
+    assert (chosen.native is not None) == _available()
+    if chosen.native is not None:
+        assert torch.equal(chosen.fixed(x, 5), native.int4_matmul(chosen.native, x))
+    odd = Projection(_parts(48, 64, Q.Q4_1).dequantize().to(torch.bfloat16), None, _parts(48, 64, Q.Q4_1))
+    assert odd.native is None and odd.packed is not None
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        off = Projection(weight, None, parts)
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
+    assert off.native is None and off.packed is not None
+    for proj in (chosen, off):
+        assert (proj.fixed(x, 5).double() - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+@needs_kernel
+def test_the_tiny_model_decodes_the_same_tokens_through_either_int4_path(tiny_checkpoints, monkeypatch):
+    """The tiny Q4_1 model, generated tokens through the C kernels and with
+    them off (torch's int4 op and the torch twins): close logits, the same
+    greedy picks."""
+    from trioserve.models.checkpoint import load_checkpoint
+    from trioserve.models.llama import LlamaModel
+    from trioserve.models.step import SeqChunk, build_step
+
+    ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
+    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+    assert all(p.native is not None for p in (fast.layers[0].qkv, fast.layers[0].o, fast.layers[0].gate_up, fast.layers[0].down))
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
+    assert slow.layers[0].qkv.native is None and slow.layers[0].qkv.packed is not None
+    caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}
+    prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
+    for m in (fast, slow):
+        m.forward(prompt, caches[m])
+    for position, token in enumerate([3, 11, 40, 6], start=6):
+        step = build_step([SeqChunk([token], position, [0, 1, 2], decode=True)], 4, fixed=True)
+        a, b = fast.forward(step, caches[fast]), slow.forward(step, caches[slow])
+        assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
