@@ -133,3 +133,39 @@ def test_the_tiny_model_decodes_the_same_tokens_through_either_int4_path(tiny_ch
         a, b = fast.forward(step, caches[fast]), slow.forward(step, caches[slow])
         assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(32, 2), (96, 64), (1024, 576)])
+@pytest.mark.parametrize("rows", [1, 9, 33])
+def test_the_8_bit_head_matches_its_codes_and_each_row_is_its_own(n, k, rows):
+    """`int8_matmul`: x (bf16 values) times the int8 codes, summed in fp32,
+    times the scale; the same bits for a row alone, in company and on any
+    thread split; and `Int8Rows` takes it."""
+    from trioserve.kernels.int4 import Int8Rows
+
+    gen = torch.Generator().manual_seed(n + rows)
+    head = Int8Rows(torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen))
+    assert head.native is not None
+    crowd = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    x = crowd[:rows]
+    exact = (x.double() @ head.q.double().T) * head.scale.double()
+    for inputs in (x, x.float()):
+        out = native.int8_matmul(head.native, inputs)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        assert ((out.double() - exact).abs() <= 1e-5 * exact.abs().max()).all()
+    together = native.int8_matmul(head.native, crowd, threads=2)
+    assert torch.equal(together, native.int8_matmul(head.native, crowd, threads=1))
+    assert torch.equal(head(x), together[:rows])
+    assert torch.equal(native.int8_matmul(head.native, crowd[rows : rows + 1])[0], together[rows])
+
+
+@needs_kernel
+def test_the_8_bit_head_refuses_shapes_it_does_not_take():
+    q, scale = torch.zeros(48, 8, dtype=torch.int8), torch.ones(48)
+    with pytest.raises(ValueError, match="multiple of 32 outputs and an even number of inputs, got 48 x 8"):
+        native.pack_int8(q, scale)
+    assert not native.int8_supported(48, 8) and not native.int8_supported(64, 7) and native.int8_supported(64, 8)
+    pack = native.pack_int8(torch.zeros(64, 8, dtype=torch.int8), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"x \(1, 6\) does not have the weight's 8 inputs"):
+        native.int8_matmul(pack, torch.randn(1, 6))

@@ -119,6 +119,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.trioserve_int4_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
+    fn = lib.trioserve_int8_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
     return lib
 
 
@@ -260,11 +263,23 @@ class Int4Pack:
     k: int
 
 
+def _bf16_kernels() -> bool:
+    """Whether the kernels built here have their AVX-512 BF16 part
+    (`int4_matmul`, `int8_matmul`)."""
+    lib = library()
+    return lib is not None and bool(lib.trioserve_int4_available())
+
+
 def int4_supported(n: int, k: int) -> bool:
     """Whether `int4_matmul` runs here for a [n, k] weight: the kernels
     built, for a CPU with AVX-512 BF16, and both sizes multiples of 32."""
-    lib = library()
-    return lib is not None and bool(lib.trioserve_int4_available()) and n % 32 == 0 and k % 32 == 0 and n > 0 and k > 0
+    return n > 0 and k > 0 and n % 32 == 0 and k % 32 == 0 and _bf16_kernels()
+
+
+def int8_supported(n: int, k: int) -> bool:
+    """Whether `int8_matmul` runs here for a [n, k] weight: as
+    `int4_supported`, with n a multiple of 32 and k even."""
+    return n > 0 and k > 0 and n % 32 == 0 and k % 2 == 0 and _bf16_kernels()
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:
@@ -310,6 +325,49 @@ def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, 
         raise RuntimeError("int4_matmul could not allocate its scratch memory")
     if code:
         raise RuntimeError(f"int4_matmul does not run here for a {pack.n} x {pack.k} weight (code {code})")
+    return out
+
+
+@attrs.frozen
+class Int8Pack:
+    """An 8-bit weight [N, K] in `int8_matmul`'s layout (drawn in the C
+    source): ``packed`` int8 in panels of 32 outputs by input pairs,
+    ``scale`` [N] fp32."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    n: int
+    k: int
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Pack:
+    """Lay out int8 codes [N, K] with one scale per output for `int8_matmul`."""
+    n, k = q.shape
+    if n % 32 or k % 2:
+        raise ValueError(f"int8_matmul takes weights of a multiple of 32 outputs and an even number of inputs, got {n} x {k}")
+    # [panel, tile, column, pair, t] -> [panel, pair, tile, column, t]
+    packed = q.reshape(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous().reshape(-1)
+    return Int8Pack(packed, scale.float().contiguous(), n, k)
+
+
+def int8_matmul(pack: Int8Pack, x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+    """x [R, K] (bfloat16 or float32; fp32 rounded to bf16) times the 8-bit
+    weight's transpose, times its scales: [R, N] fp32. Each row's result
+    depends on that row alone (the C source says how)."""
+    lib = _lib()
+    if x.dim() != 2 or x.shape[1] != pack.k:
+        raise RuntimeError(f"int8_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
+    x = x.contiguous()
+    _float_kind(x)
+    out = torch.empty(x.shape[0], pack.n, dtype=torch.float32)
+    code = lib.trioserve_int8_matmul(
+        pack.packed.data_ptr(), pack.scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
+        int(x.dtype == torch.bfloat16), threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if code == 2:
+        raise RuntimeError("int8_matmul could not allocate its scratch memory")
+    if code:
+        raise RuntimeError(f"int8_matmul does not run here for a {pack.n} x {pack.k} weight (code {code})")
     return out
 
 

@@ -6,6 +6,7 @@
  *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
+ *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
  *
  * Every kernel computes a row from that row alone, so its result is the
  * same bits in any company (batch invariance).
@@ -457,20 +458,30 @@ static inline __attribute__((always_inline)) void q4_panel_rows(const uint8_t *w
 
 int trioserve_int4_available(void) { return 1; }
 
+/* A bf16 copy of n inputs (rounded as torch casts when they are fp32), or
+ * NULL when memory cannot be had. */
+static uint16_t *bf16_rows(const void *x, int64_t n, int x_bf16) {
+    uint16_t *xh = malloc((size_t)n * sizeof *xh + 1);
+    if (!xh) return NULL;
+    if (x_bf16) memcpy(xh, x, (size_t)n * sizeof *xh);
+    else
+        for (int64_t i = 0; i < n; i++) xh[i] = float_to_bf16(((const float *)x)[i]);
+    return xh;
+}
+
 /* Returns 1 when n or k is not a multiple of 32, 2 when scratch memory
  * cannot be had, else 0. x_bf16: 1 when x is bf16, 0 when fp32. */
 int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows, int64_t n,
                           int64_t k, int x_bf16, int bf16_out, int threads) {
     if (n % 32 || k % Q4_BLOCK) return 1;
     const int64_t nb = k / Q4_BLOCK, panels = n / 32;
-    uint16_t *xh = malloc((size_t)(rows * k) * sizeof *xh + 1);
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
     float *xsum = malloc((size_t)(rows * nb) * sizeof *xsum + 1);
     if (!xh || !xsum) {
         free(xh);
         free(xsum);
         return 2;
     }
-    for (int64_t i = 0; i < rows * k; i++) xh[i] = x_bf16 ? ((const uint16_t *)x)[i] : float_to_bf16(((const float *)x)[i]);
     for (int64_t i = 0; i < rows * nb; i++) {
         float s = 0.0f;
         for (int j = 0; j < Q4_BLOCK; j++) s += bf16_to_float(xh[i * Q4_BLOCK + j]);
@@ -497,11 +508,89 @@ int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const v
     free(xsum);
     return 0;
 }
+
+/* The output head: y = (x W^T) scale, W int8 [N, K] with one fp32 scale per
+ * output (kernels/int4.py `Int8Rows`; the bf16 scale, widened).
+ *
+ * Layout (native.py `pack_int8` writes it): packed [N/32][K/2][2][16][2]
+ * int8, panel p, input pair j, tile u, column i, t: W[32p + 16u + i][2j + t].
+ * Arithmetic, the same for every row whatever the others: the codes are
+ * widened to bf16 (exact: |q| <= 127), multiplied by the bf16 inputs in
+ * pairs (exact products summed in fp32) over the pairs in order, and the
+ * sum is multiplied by the scale. Rows go up to eight at a time; which rows
+ * share a pass, and which thread computes a panel, changes no bit. */
+#define Q8_PASS_ROWS 8
+
+static inline __attribute__((always_inline)) void q8_panel_rows(const int8_t *w, const float *scale, const uint16_t *x,
+                                                              float *out, int64_t k, int64_t n, const int rows) {
+    __m512 acc[Q8_PASS_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k / 2; j++) {
+        __m512bh codes[2];
+        for (int u = 0; u < 2; u++) {
+            const int8_t *p = w + (j * 2 + u) * 32;
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+            codes[u] = _mm512_cvtne2ps_pbh(hi, lo);
+        }
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * k + 2 * j, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], codes[0], xv);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], codes[1], xv);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < 2; u++)
+            _mm512_storeu_ps(out + r * n + u * 16, _mm512_mul_ps(acc[r][u], _mm512_loadu_ps(scale + u * 16)));
+}
+
+#define Q8_PASS(R)                                                                  \
+    case R:                                                                         \
+        q8_panel_rows(w, s, xr, o, k, n, R);                                        \
+        break;
+
+/* Returns 1 when n is not a multiple of 32 or k is odd, 2 when scratch
+ * memory cannot be had, else 0. out [R, N] fp32. */
+int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *x, float *out, int64_t rows, int64_t n,
+                          int64_t k, int x_bf16, int threads) {
+    if (n % 32 || k % 2) return 1;
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
+    if (!xh) return 2;
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t p = 0; p < n / 32; p++) {
+        const int8_t *w = packed + p * 32 * k;
+        const float *s = scale + p * 32;
+        for (int64_t r0 = 0; r0 < rows; r0 += Q8_PASS_ROWS) {
+            const uint16_t *xr = xh + r0 * k;
+            float *o = out + r0 * n + p * 32;
+            switch (rows - r0 >= Q8_PASS_ROWS ? Q8_PASS_ROWS : rows - r0) {
+                Q8_PASS(8)
+                Q8_PASS(7)
+                Q8_PASS(6)
+                Q8_PASS(5)
+                Q8_PASS(4)
+                Q8_PASS(3)
+                Q8_PASS(2)
+                Q8_PASS(1)
+            }
+        }
+    }
+    free(xh);
+    return 0;
+}
 #else
 int trioserve_int4_available(void) { return 0; }
 int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows, int64_t n,
                           int64_t k, int x_bf16, int bf16_out, int threads) {
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
+    return 4;
+}
+int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *x, float *out, int64_t rows, int64_t n,
+                          int64_t k, int x_bf16, int threads) {
+    (void)packed, (void)scale, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)threads;
     return 4;
 }
 #endif
