@@ -69,6 +69,49 @@ def test_a_row_is_the_same_bits_in_any_company_padding_or_thread_split(dtype):
     assert torch.equal(out, together[picked])
 
 
+def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype):
+    """Three prompt chunks: one from position 0, one after a cached prefix
+    (a prefix-cache hit), one of a single token; blocks scattered."""
+    specs = [(0, 37), (2 * block_size + 3, 21), (50, 1)]
+    num_blocks = sum(-(-(start + n) // block_size) for start, n in specs) + 5
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, used = [], 0
+    for start, n in specs:
+        nb = -(-(start + n) // block_size)
+        chunks.append(SeqChunk(list(range(1, n + 1)), start, order[used : used + nb]))
+        used += nb
+    rows = sum(n for _, n in specs)
+    k = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    return q, k, v, chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16)])
+def test_prompt_rows_match_the_torch_twin_and_each_row_is_its_own(dtype, heads, kv_heads, dim, block_size):
+    """Prompt chunks read row by row (row_seq): the torch twin's causal
+    attention over a cached prefix; and a row's bits do not depend on how
+    its prompt was chunked or what else is in the call."""
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    q, k, v, chunks = _prompt_case(gen, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=dtype)
+    g = build_step(chunks, block_size, buckets=False).groups[0]
+    assert not g.decode and g.row_seq.tolist() == [0] * 37 + [1] * 21 + [2]
+    assert g.row_lengths.tolist() == list(range(1, 38)) + list(range(2 * block_size + 4, 2 * block_size + 25)) + [51]
+    scale = dim**-0.5
+    want = reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, scale).float()
+    got = native.decode_attention(q, k, v, g.block_tables, g.row_lengths, scale, row_seq=g.row_seq)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # The first chunk cut in two (the second part after the first's KV), and alone.
+    first = chunks[0]
+    head, tail = SeqChunk(first.token_ids[:13], 0, first.block_table), SeqChunk(first.token_ids[13:], 13, first.block_table)
+    for part, rows in ((head, slice(0, 13)), (tail, slice(13, 37))):
+        alone = build_step([part], block_size, buckets=False).groups[0]
+        out = native.decode_attention(q[rows], k, v, alone.block_tables, alone.row_lengths, scale, row_seq=alone.row_seq)
+        assert torch.equal(out, got[rows])
+    assert torch.equal(got, native.decode_attention(q, k, v, g.block_tables, g.row_lengths, scale, row_seq=g.row_seq, threads=1))
+
+
 def test_refuses_reads_outside_the_pool_and_shapes_it_does_not_take():
     gen = torch.Generator().manual_seed(3)
     q, k, v, chunks = _case(gen, seqs=2, heads=4, kv_heads=2, dim=64, block_size=16, dtype=torch.float32)
@@ -83,6 +126,10 @@ def test_refuses_reads_outside_the_pool_and_shapes_it_does_not_take():
         native.decode_attention(q, k, v, bad_block, g.lengths, 0.125)
     with pytest.raises(RuntimeError, match="take bfloat16 or float32 alike"):
         native.decode_attention(q.half(), k.half(), v.half(), g.block_tables, g.lengths, 0.125)
+    with pytest.raises(RuntimeError, match="a length, table row or block id is outside"):
+        native.decode_attention(q, k, v, g.block_tables, g.lengths, 0.125, row_seq=torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="2 query rows need 2 lengths"):
+        native.decode_attention(q, k, v, g.block_tables, g.lengths[:1], 0.125)
     assert not native.supports(4, 2, 72) and not native.supports(34, 2, 64) and native.supports(9, 3, 64)
     odd = torch.randn(2, 4, 72)
     with pytest.raises(RuntimeError, match="head dim 72"):

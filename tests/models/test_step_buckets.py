@@ -118,7 +118,10 @@ def test_bucketed_step_gives_identical_logits_with_int4_weights(tiny_checkpoints
 
 
 def test_gather_buffers_are_reused_across_steps():
+    """The torch attention path's gather buffers (the C kernel, where it
+    builds, reads the pool in place and needs none)."""
     model = tiny_model(torch.float32)
+    model.native_decode = False
     cache = filled_cache(model)
     chunks = mixed_chunks()
     model.forward(build_step(chunks, BLOCK), cache)
@@ -128,3 +131,7 @@ def test_gather_buffers_are_reused_across_steps():
     assert model._scratch is buffers
     per_block = TINY["num_key_value_heads"] * BLOCK * (TINY["hidden_size"] // TINY["num_attention_heads"])
     assert buffers.shape[1] >= 2 * bucket(20) * per_block
+    native_model = tiny_model(torch.float32)
+    if native_model.native_decode:
+        native_model.forward(build_step(chunks, BLOCK), filled_cache(native_model))
+        assert native_model._scratch is not None and native_model._scratch.shape[1] == 0

@@ -107,7 +107,7 @@ def library() -> ctypes.CDLL | None:
         return None
     fn = lib.trioserve_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr] * 6 + [_i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn = lib.trioserve_rms_norm
     fn.restype = None
     fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -212,40 +212,49 @@ def decode_attention(
     lengths: torch.Tensor,
     scale: float,
     *,
+    row_seq: torch.Tensor | None = None,
     threads: int | None = None,
     checked: bool = True,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence to its first ``lengths[s]``
-    cached keys, read through ``block_tables`` where they lie.
+    """Attention of query rows to their first ``lengths[r]`` cached keys,
+    read through ``block_tables`` where they lie.
 
-    q [S, H, D]; k_cache, v_cache [KVH, NB, BS, D] (q's dtype: bfloat16 or
-    float32, CPU); block_tables [S, MB] and lengths [S] int64. Returns
-    [S, H, D] float32. Each row's result depends only on its own query,
-    keys and values (the C source says how). Raises RuntimeError when the
-    kernels are not available or the shapes are not ones they take.
+    q [R, H, D]; k_cache, v_cache [KVH, NB, BS, D] (q's dtype: bfloat16 or
+    float32, CPU); block_tables [S, MB] and lengths [R] int64. Row r reads
+    table row r (decode rows: one token per sequence, S = R), or row
+    ``row_seq[r]`` when given (prompt rows: a chunk's tokens share their
+    sequence's table, each attending to keys up to its own position).
+    Returns [R, H, D] float32. Each row's result depends only on its own
+    query, keys and values (the C source says how). Raises RuntimeError
+    when the kernels are not available or the shapes are not ones they take.
     ``checked=False`` skips the dtype and layout checks and conversions (a
     few microseconds a call) for a caller that guarantees them, as the model
     does; the kernel's own bounds checks always run."""
     lib = _lib()
-    seqs, heads, dim = q.shape
+    rows, heads, dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     if checked:
         q = q.contiguous()
         kind = _float_kind(q, k_cache, v_cache)
         tables = block_tables.to(torch.int64).contiguous()
         lens = lengths.to(torch.int64).contiguous()
+        if row_seq is not None:
+            row_seq = row_seq.to(torch.int64).contiguous()
+        if lens.shape != (rows,) or (row_seq is not None and row_seq.shape != (rows,)):
+            raise RuntimeError(f"decode_attention: {rows} query rows need {rows} lengths (and table rows), got {tuple(lens.shape)}")
     else:
         kind, tables, lens = int(q.dtype == torch.bfloat16), block_tables, lengths
-    out = torch.empty(seqs, heads, dim, dtype=torch.float32)
+    out = torch.empty(rows, heads, dim, dtype=torch.float32)
     code = lib.trioserve_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        seqs, heads, kv_heads, num_blocks, block_size, dim, tables.shape[1],
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        None if row_seq is None else row_seq.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        rows, tables.shape[0], heads, kv_heads, num_blocks, block_size, dim, tables.shape[1],
         scale, kind, threads or torch.get_num_threads(),
     )  # fmt: skip
     if code == 1:
         raise RuntimeError(f"decode_attention does not take head dim {dim} with {heads} heads over {kv_heads} KV heads")
     if code == 3:
-        raise RuntimeError("decode_attention: a length or block id is outside the block tables or the pool")
+        raise RuntimeError("decode_attention: a length, table row or block id is outside the block tables or the pool")
     if code:
         raise RuntimeError("decode_attention could not allocate its scratch memory")
     return out

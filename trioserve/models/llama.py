@@ -138,9 +138,10 @@ class LlamaModel:
         self.rope_cos = angles.cos().float().to(self.device)
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # On CPU, where the C kernels build (kernels/native.py): decode rows
-        # attend through one of them (prompt rows through the torch path),
-        # and every row's norms and RoPE + K/V store through the others.
+        # On CPU, where the C kernels build (kernels/native.py): every row,
+        # decode or prompt, attends through one of them (row by row, reading
+        # the pool in place; `native_decode` where the shape is one it
+        # takes), and every row's norms and RoPE + K/V store through others.
         self.native = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and native.library() is not None
         self.native_decode = self.native and native.supports(config.num_heads, config.num_kv_heads, config.head_dim)
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
@@ -252,6 +253,11 @@ class LlamaModel:
         if g.decode and self.native_decode:
             out = native.decode_attention(q.contiguous(), k_cache, v_cache, g.block_tables, g.lengths, self.scale, checked=False)
             return out.to(q.dtype)
+        if self.native_decode:  # prompt rows: each its own row, through its sequence's table
+            out = native.decode_attention(
+                q.contiguous(), k_cache, v_cache, g.block_tables, g.row_lengths, self.scale, row_seq=g.row_seq, checked=False
+            )
+            return out.to(q.dtype)
         return ops.paged_attention(
             q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, fixed=g.fixed, gather_into=gather
         )
@@ -262,8 +268,8 @@ class LlamaModel:
         kept, so steps stop allocating them at all."""
         c = self.config
         per_block = c.num_kv_heads * cache.block_size * c.head_dim
-        # Decode rows through the C kernel read the pool in place: no buffer.
-        torch_groups = [g for g in batch.groups if not (g.decode and self.native_decode)]
+        # Rows through the C kernel read the pool in place: no buffer.
+        torch_groups = [] if self.native_decode else list(batch.groups)
         need = max((g.block_tables.numel() for g in torch_groups), default=0) * per_block
         old = self._scratch
         if old is None or old.dtype != cache.k.dtype or old.device != cache.k.device:

@@ -2,34 +2,15 @@
  * kernels/reference.py (tests/kernels/test_native.py). Built by
  * trioserve/kernels/native.py with the system C compiler.
  *
- *   trioserve_decode_attention  paged attention of decode rows (below)
+ *   trioserve_decode_attention  paged attention of query rows over the block pool (decode rows and
+ *                               prompt rows; its comment below has the layouts)
  *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
  *
  * Every kernel computes a row from that row alone, so its result is the
- * same bits in any company (batch invariance).
- *
- * Decode attention: one query token per sequence, attending to the keys and
- * values where they lie in the block pool (no gathered copy).
- *
- * Layouts (all contiguous, row-major):
- *   q        [S, H, D]            the decode rows' queries (after RoPE)
- *   k, v     [KVH, NB, BS, D]     one layer of the block pool
- *   tables   [S, MB] int64        block ids per sequence (padded entries unread)
- *   lens     [S] int64            keys each sequence attends to (its new token included)
- *   out      [S, H, D] float32
- * Query head h reads KV head h / (H / KVH).
- *
- * Arithmetic: every (sequence, KV head) item is computed by one thread from
- * its own query, keys and values alone, in an order fixed by its own length:
- * scores (fp32 dot products, with fused multiply-adds where the CPU has
- * them: ATTENTION_MATH below; summed in 16 lanes then a fixed tree), their
- * maximum, exp by the polynomial below, the weighted sum of values key by
- * key. Nothing depends on the other sequences, how many there are, how the
- * work is split between threads, or the padding of the tables, so a row's
- * result is the same bits in any company (batch invariance). */
+ * same bits in any company (batch invariance). */
 
 #include <math.h>
 #ifdef _OPENMP
@@ -81,7 +62,7 @@ static inline float lane_sum(const float *acc) {
 
 typedef struct {
     const void *q, *k, *v;
-    const int64_t *tables, *lens;
+    const int64_t *tables, *lens, *row_seq;
     float *out;
     int64_t heads, kv_heads, num_blocks, block_size, dim, max_blocks;
     float scale;
@@ -92,13 +73,66 @@ static inline float load(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-/* One (sequence, KV head) item. Always inlined into `run_item`'s cases, so
- * for the common shapes dim and group are constants and the compiler keeps
- * the accumulators in vector registers. */
+/* The block table of query row r: its own row of `tables`, or row
+ * row_seq[r] when rows share a sequence (a prompt chunk's tokens). */
+static inline const int64_t *row_table(const Job *job, int64_t r) {
+    return job->tables + (job->row_seq ? job->row_seq[r] : r) * job->max_blocks;
+}
+
 /* Each of `group` score rows of `len` (scores[j * len + t]) turned into
  * probabilities in place: minus its maximum, exp, divided by its sum (in
  * 16 lanes, the fixed tree, then the tail). Not inlined, and built without
- * contraction, so both attention paths round it alike. */
+ * contraction, so every attention path rounds it alike; with AVX-512 the
+ * same operations run 16 lanes at a time (the same bits: the maximum is
+ * exact in any order, and exp and the sum keep their scalar operations and
+ * order). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y);
+}
+
+static void softmax_rows(float *scores, int64_t len, int64_t group) {
+    for (int64_t j = 0; j < group; j++) {
+        float *sc = scores + j * len;
+        __m512 top = _mm512_set1_ps(sc[0]);
+        int64_t t = 0;
+        for (; t + LANES <= len; t += LANES) top = _mm512_max_ps(top, _mm512_loadu_ps(sc + t));
+        float m = _mm512_reduce_max_ps(top);
+        for (; t < len; t++) m = sc[t] > m ? sc[t] : m;
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 lanes = _mm512_setzero_ps();
+        for (t = 0; t + LANES <= len; t += LANES) {
+            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mv));
+            _mm512_storeu_ps(sc + t, e);
+            lanes = _mm512_add_ps(lanes, e);
+        }
+        for (int64_t u = t; u < len; u++) sc[u] = exp_nonpositive(sc[u] - m);
+        float spill[LANES];
+        _mm512_storeu_ps(spill, lanes);
+        float sum = lane_sum(spill);
+        for (; t < len; t++) sum += sc[t];
+        const float inv = 1.0f / sum;
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (t = 0; t + LANES <= len; t += LANES) _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_loadu_ps(sc + t), iv));
+        for (; t < len; t++) sc[t] *= inv;
+    }
+}
+#else
 static void softmax_rows(float *scores, int64_t len, int64_t group) {
     for (int64_t j = 0; j < group; j++) {
         float *sc = scores + j * len;
@@ -115,18 +149,22 @@ static void softmax_rows(float *scores, int64_t len, int64_t group) {
         for (t = 0; t < len; t++) sc[t] *= inv;
     }
 }
+#endif
 
 /* The attention loops may fuse multiplies and adds (the library is built
  * without contraction, for the elementwise kernels' sake); the result is
  * still fixed for a given build and CPU. */
 #define ATTENTION_MATH __attribute__((optimize("fp-contract=fast")))
 
+/* One (query row, KV head) item. Always inlined into `run_item`'s cases, so
+ * for the common shapes dim and group are constants and the compiler keeps
+ * the accumulators in vector registers. */
 static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const Job *job, int64_t item, float *scores, const int64_t dim,
                                                            const int64_t group, const int bf16) {
     const int64_t bs = job->block_size;
     const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
     const int64_t len = job->lens[s];
-    const int64_t *table = job->tables + s * job->max_blocks;
+    const int64_t *table = row_table(job, s);
     float qf[MAX_GROUP][LANES * 16], kf[LANES * 16], acc[MAX_GROUP][LANES * 16];
     for (int64_t j = 0; j < group; j++)
         for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
@@ -155,65 +193,107 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
         memcpy(job->out + (s * job->heads + g * group + j) * dim, acc[j], (size_t)dim * sizeof(float));
 }
 
-#if defined(__AVX512F__)
+/* Rows of one sequence taken together by the bf16 path (they share the
+ * loads of its keys and values; each row's arithmetic is its own). */
+#define TILE_ROWS 8
+/* Query heads whose value sums share one widened value row. */
+#define VALUE_SET 6
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#define FAST_TILES 1
 
 static inline __m512 bf16x16(const uint16_t *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* `item_body` for bf16 with a head dim of 64, in AVX-512 registers: a
- * score is 4 fused multiply-adds of 16 lanes and the lanes' fixed
- * reduction, a value row 4 fused multiply-adds into each query head's
- * accumulators. Its own fixed order, so a row's bits still depend on
- * nothing but the row. */
-static inline __attribute__((always_inline)) void item_bf16_d64(const Job *job, int64_t item, float *scores, const int64_t group) {
+/* Sixteen vectors to one: lane u of the result is the sum of all lanes of
+ * v[(u % 4) * 4 + u / 4] (callers store key u's vector there), by a fixed
+ * tree: 128-bit quarters, then halves, then pairs of lanes, then lanes. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 x[8], y[4], z[2];
+    for (int p = 0; p < 8; p++)
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44), _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++)
+        y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x88), _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++)
+        z[p] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * p], y[2 * p + 1], 0x44), _mm512_shuffle_ps(y[2 * p], y[2 * p + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
+static inline const uint16_t *kv_row(const uint16_t *cache, const Job *job, const int64_t *table, int64_t g, int64_t t) {
     const int64_t bs = job->block_size;
-    const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
-    const int64_t len = job->lens[s];
-    const int64_t *table = job->tables + s * job->max_blocks;
+    return cache + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
+}
+
+/* bf16, head dim 64: rows r0 .. r0 + n - 1 (one sequence) and KV head g.
+ * Scores: per query head, q . k by vdpbf16ps (exact products of the bf16
+ * values, lanes summing pairs (2l, 2l + 1) of the first 32 dims then of the
+ * last 32), the 16 lanes summed by `sum16` sixteen keys at a time, then
+ * times the scale. Then `softmax_rows`, then the values weighted key by key
+ * in fp32 fused multiply-adds. A row's keys, order and operations depend on
+ * its own length alone, never on n or its tile-mates. */
+static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, int64_t g, float *scores, int64_t most) {
+    const int64_t group = job->heads / job->kv_heads, vectors = n * group;
+    const int64_t *table = row_table(job, r0);
     const uint16_t *q = (const uint16_t *)job->q, *kc = (const uint16_t *)job->k, *vc = (const uint16_t *)job->v;
     const __m512 scale = _mm512_set1_ps(job->scale);
-    __m512 qv[MAX_GROUP][4], acc[MAX_GROUP][4];
-    for (int64_t j = 0; j < group; j++)
-        for (int c = 0; c < 4; c++) {
-            qv[j][c] = _mm512_mul_ps(bf16x16(q + (s * job->heads + g * group + j) * 64 + 16 * c), scale);
-            acc[j][c] = _mm512_setzero_ps();
-        }
-    for (int64_t t = 0; t < len; t++) {
-        const uint16_t *key = kc + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
-        const __m512 k0 = bf16x16(key), k1 = bf16x16(key + 16), k2 = bf16x16(key + 32), k3 = bf16x16(key + 48);
-        for (int64_t j = 0; j < group; j++) {
-            __m512 a = _mm512_mul_ps(qv[j][0], k0);
-            a = _mm512_fmadd_ps(qv[j][1], k1, a);
-            a = _mm512_fmadd_ps(qv[j][2], k2, a);
-            a = _mm512_fmadd_ps(qv[j][3], k3, a);
-            scores[j * len + t] = _mm512_reduce_add_ps(a);
-        }
-    }
-    softmax_rows(scores, len, group);
-    for (int64_t t = 0; t < len; t++) {
-        const uint16_t *val = vc + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
-        const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
-        for (int64_t j = 0; j < group; j++) {
-            const __m512 p = _mm512_set1_ps(scores[j * len + t]);
-            acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-            acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-            acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-            acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+    int64_t longest = 0;
+    for (int64_t i = 0; i < n; i++) longest = job->lens[r0 + i] > longest ? job->lens[r0 + i] : longest;
+    for (int64_t t0 = 0; t0 < longest; t0 += 16) {
+        for (int64_t x = 0; x < vectors; x++) {
+            const int64_t i = x / group, j = x % group, len = job->lens[r0 + i];
+            if (t0 >= len) continue;
+            const uint16_t *qrow = q + ((r0 + i) * job->heads + g * group + j) * 64;
+            const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qrow), q1 = (__m512bh)_mm512_loadu_si512(qrow + 32);
+            __m512 part[16];
+            for (int u = 0; u < 16; u++) {
+                const int at = (u % 4) * 4 + u / 4;
+                if (t0 + u < len) {
+                    const uint16_t *key = kv_row(kc, job, table, g, t0 + u);
+                    part[at] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key), q0),
+                                                (__m512bh)_mm512_loadu_si512(key + 32), q1);
+                } else {
+                    part[at] = _mm512_setzero_ps();
+                }
+            }
+            const __m512 sc = _mm512_mul_ps(sum16(part), scale);
+            const int64_t left = len - t0;
+            _mm512_mask_storeu_ps(scores + x * most + t0, left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1), sc);
         }
     }
-    for (int64_t j = 0; j < group; j++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(job->out + (s * job->heads + g * group + j) * 64 + 16 * c, acc[j][c]);
+    for (int64_t x = 0; x < vectors; x++) softmax_rows(scores + x * most, job->lens[r0 + x / group], 1);
+    for (int64_t x0 = 0; x0 < vectors; x0 += VALUE_SET) {
+        const int64_t m = vectors - x0 < VALUE_SET ? vectors - x0 : VALUE_SET;
+        __m512 acc[VALUE_SET][4];
+        int64_t len[VALUE_SET], upto = 0;
+        for (int64_t y = 0; y < m; y++) {
+            for (int c = 0; c < 4; c++) acc[y][c] = _mm512_setzero_ps();
+            len[y] = job->lens[r0 + (x0 + y) / group];
+            upto = len[y] > upto ? len[y] : upto;
+        }
+        for (int64_t t = 0; t < upto; t++) {
+            const uint16_t *val = kv_row(vc, job, table, g, t);
+            const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
+            for (int64_t y = 0; y < m; y++) {
+                if (t >= len[y]) continue;
+                const __m512 p = _mm512_set1_ps(scores[(x0 + y) * most + t]);
+                acc[y][0] = _mm512_fmadd_ps(p, v0, acc[y][0]);
+                acc[y][1] = _mm512_fmadd_ps(p, v1, acc[y][1]);
+                acc[y][2] = _mm512_fmadd_ps(p, v2, acc[y][2]);
+                acc[y][3] = _mm512_fmadd_ps(p, v3, acc[y][3]);
+            }
+        }
+        for (int64_t y = 0; y < m; y++) {
+            const int64_t x = x0 + y, i = x / group, j = x % group;
+            float *o = job->out + ((r0 + i) * job->heads + g * group + j) * 64;
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + 16 * c, acc[y][c]);
+        }
+    }
 }
-#define FAST_BF16_D64(G)                                                            \
-    if (job->bf16 && dim == 64 && group == G) {                                     \
-        item_bf16_d64(job, item, scores, G);                                        \
-        return;                                                                     \
-    }
 #else
-#define FAST_BF16_D64(G)
+#define FAST_TILES 0
 #endif
 
 /* The same arithmetic for every shape; the cases only let the compiler
@@ -228,47 +308,101 @@ static inline __attribute__((always_inline)) void item_bf16_d64(const Job *job, 
 
 static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores) {
     const int64_t dim = job->dim, group = job->heads / job->kv_heads;
-    FAST_BF16_D64(1) FAST_BF16_D64(2) FAST_BF16_D64(3) FAST_BF16_D64(4) FAST_BF16_D64(8)
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
     if (job->bf16) item_body(job, item, scores, dim, group, 1);
     else item_body(job, item, scores, dim, group, 0);
 }
 
-/* Returns 0 on success, 1 on a shape this kernel does not take (head dim
+/* Attention of query rows to cached keys and values, read where they lie
+ * in the block pool. Row r attends to the first lens[r] keys of block
+ * table row_seq[r] (row r itself when row_seq is NULL: one decode token per
+ * sequence); a prompt chunk's rows share their sequence's table, each with
+ * its own length (its position + 1).
+ *
+ * Layouts (all contiguous, row-major):
+ *   q        [R, H, D]            the rows' queries (after RoPE)
+ *   k, v     [KVH, NB, BS, D]     one layer of the block pool
+ *   tables   [S, MB] int64        block ids per sequence (padded entries unread)
+ *   row_seq  [R] int64 or NULL    each row's table
+ *   lens     [R] int64            keys each row attends to
+ *   out      [R, H, D] float32
+ * Query head h reads KV head h / (H / KVH).
+ *
+ * Arithmetic: each (row, KV head) is computed from that row's query, keys
+ * and values alone, in an order fixed by its own length: bf16 with head
+ * dim 64 by `tile_bf16_d64` (rows of one sequence in tiles that share
+ * loads), every other shape by `item_body` (fp32 dot products, fused where
+ * the CPU has them, summed in 16 lanes then a fixed tree). Nothing depends
+ * on the other rows, how many there are, which tile a row falls in, how
+ * the work is split between threads, or the padding of the tables, so a
+ * row's result is the same bits in any company (batch invariance).
+ *
+ * Returns 0 on success, 1 on a shape this kernel does not take (head dim
  * not a multiple of 16 or above 256, more than 16 query heads per KV head),
- * 2 when memory could not be had, 3 when a length or block id would read
- * outside the pool. threads: at most this many, from the OpenMP runtime
- * torch itself runs on (the library links the libgomp torch has loaded,
- * so no second pool competes for the cores); small calls run on the
- * caller's thread alone. Which thread computes an item changes nothing. */
-int trioserve_decode_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *lens,
-                               float *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t num_blocks,
-                               int64_t block_size, int64_t dim, int64_t max_blocks, float scale, int bf16, int threads) {
+ * 2 when memory could not be had, 3 when a length, table row or block id
+ * would read outside the pool. threads: at most this many, from the OpenMP
+ * runtime torch itself runs on (the library links the libgomp torch has
+ * loaded, so no second pool competes for the cores); small calls run on
+ * the caller's thread alone. Which thread computes an item changes
+ * nothing. */
+int trioserve_decode_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *row_seq,
+                               const int64_t *lens, float *out, int64_t rows, int64_t num_tables, int64_t heads,
+                               int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t dim, int64_t max_blocks,
+                               float scale, int bf16, int threads) {
     if (dim % LANES || dim > LANES * 16 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP)
         return 1;
-    int64_t most = 1;
-    for (int64_t s = 0; s < seqs; s++) { /* nothing is read outside the pool */
-        if (lens[s] < 1 || lens[s] > max_blocks * block_size) return 3;
-        for (int64_t b = 0; b * block_size < lens[s]; b++)
-            if (tables[s * max_blocks + b] < 0 || tables[s * max_blocks + b] >= num_blocks) return 3;
-        most = lens[s] > most ? lens[s] : most;
+    const Job job = {q, k, v, tables, lens, row_seq, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale, bf16};
+    int64_t most = 1, work = 0;
+    for (int64_t r = 0; r < rows; r++) { /* nothing is read outside the pool */
+        if (row_seq && (row_seq[r] < 0 || row_seq[r] >= num_tables)) return 3;
+        if (!row_seq && r >= num_tables) return 3;
+        if (lens[r] < 1 || lens[r] > max_blocks * block_size) return 3;
+        const int64_t *table = row_table(&job, r);
+        for (int64_t b = 0; b * block_size < lens[r]; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return 3;
+        most = lens[r] > most ? lens[r] : most;
+        work += lens[r];
     }
-    const Job job = {q, k, v, tables, lens, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale, bf16};
-    const int64_t items = seqs * kv_heads, group = heads / kv_heads;
+    const int64_t group = heads / kv_heads;
+    const int fast = FAST_TILES && bf16 && dim == 64;
+    /* Work items: (tile, KV head). A tile is up to TILE_ROWS consecutive
+     * rows of one sequence on the fast path, one row otherwise. */
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows + 1));
+    if (starts == NULL) return 2;
+    int64_t tiles = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int joins = fast && tiles > 0 && r - starts[tiles - 1] < TILE_ROWS && row_seq && row_seq[r] == row_seq[r - 1];
+        if (!joins) starts[tiles++] = r;
+    }
+    starts[tiles] = rows;
+    const int64_t items = tiles * kv_heads, per_item = (fast ? TILE_ROWS : 1) * group * most;
     int n = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
-    if (items * most * dim < ((int64_t)1 << 16)) n = 1; /* waking threads would cost more than it saves */
+    if (work * group * kv_heads * dim < ((int64_t)1 << 16)) n = 1; /* waking threads would cost more than it saves */
     if (n > items) n = (int)items;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(n * most * group));
-    if (scores == NULL) return 2;
-#pragma omp parallel for num_threads(n) schedule(static) if (n > 1)
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(n * per_item));
+    if (scores == NULL) {
+        free(starts);
+        return 2;
+    }
+    /* dynamic: a prompt's later tiles attend to more keys than its first */
+#pragma omp parallel for num_threads(n) schedule(dynamic, 1) if (n > 1)
     for (int64_t item = 0; item < items; item++) {
         int me = 0;
 #ifdef _OPENMP
         me = omp_get_thread_num();
 #endif
-        run_item(&job, item, scores + (size_t)me * most * group);
+        float *mine = scores + (size_t)me * per_item;
+        const int64_t tile = item / kv_heads, g = item % kv_heads;
+#if FAST_TILES
+        if (fast) {
+            tile_bf16_d64(&job, starts[tile], starts[tile + 1] - starts[tile], g, mine, most);
+            continue;
+        }
+#endif
+        run_item(&job, starts[tile] * kv_heads + g, mine);
     }
+    free(starts);
     free(scores);
     return 0;
 }
