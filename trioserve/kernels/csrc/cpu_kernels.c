@@ -198,6 +198,8 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
 #define TILE_ROWS 8
 /* Query heads whose value sums share one widened value row. */
 #define VALUE_SET 6
+/* How many keys ahead the bf16 path fetches keys and values into cache. */
+#define KV_AHEAD 32
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -242,6 +244,14 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
     int64_t longest = 0;
     for (int64_t i = 0; i < n; i++) longest = job->lens[r0 + i] > longest ? job->lens[r0 + i] : longest;
     for (int64_t t0 = 0; t0 < longest; t0 += 16) {
+        /* Keys two blocks of 16 ahead, into cache while these are scored
+         * (blocks lie scattered, so the hardware's stride prefetch stops at
+         * each block's end). */
+        for (int64_t t = t0 + KV_AHEAD; t < t0 + KV_AHEAD + 16 && t < longest; t++) {
+            const char *key = (const char *)kv_row(kc, job, table, g, t);
+            _mm_prefetch(key, _MM_HINT_T0);
+            _mm_prefetch(key + 64, _MM_HINT_T0);
+        }
         for (int64_t x = 0; x < vectors; x++) {
             const int64_t i = x / group, j = x % group, len = job->lens[r0 + i];
             if (t0 >= len) continue;
@@ -274,6 +284,11 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
             upto = len[y] > upto ? len[y] : upto;
         }
         for (int64_t t = 0; t < upto; t++) {
+            if (t + KV_AHEAD < upto) {
+                const char *ahead = (const char *)kv_row(vc, job, table, g, t + KV_AHEAD);
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            }
             const uint16_t *val = kv_row(vc, job, table, g, t);
             const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
             for (int64_t y = 0; y < m; y++) {
