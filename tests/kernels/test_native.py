@@ -254,3 +254,42 @@ def test_a_bad_native_kernels_value_is_one_error_line_and_exit_2(command, tiny_c
         settings_from_env({"TRIOSERVE_NATIVE_KERNELS": "sometimes"})
     assert native_kernels_setting({}) and native_kernels_setting({"TRIOSERVE_NATIVE_KERNELS": "on"})
     assert not native_kernels_setting({"TRIOSERVE_NATIVE_KERNELS": " Off "})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 64), (70, 100)])
+def test_the_residual_add_fused_into_the_norm_is_the_add_then_the_norm(dtype, rows, n):
+    """add_rms_norm: h updated in place to h + delta, and the same bits as
+    rms_norm of that sum (70 rows: the threaded path too)."""
+    gen = torch.Generator().manual_seed(rows + n)
+    h = torch.randn(rows, n, generator=gen) * 30
+    delta = torch.randn(rows, n, generator=gen).to(dtype)
+    weight = torch.rand(n, generator=gen) + 0.5
+    summed = h + delta
+    out = native.add_rms_norm(h, delta, weight, 1e-5, dtype)
+    assert torch.equal(h, summed)
+    assert out.dtype == dtype and torch.equal(out, native.rms_norm(summed, weight, 1e-5, dtype))
+    with pytest.raises(RuntimeError, match="add_rms_norm takes contiguous fp32 rows"):
+        native.add_rms_norm(h.to(torch.bfloat16), delta, weight, 1e-5, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rows", "f"), [(1, 1536), (5, 21), (70, 48)])
+def test_silu_mul_is_within_one_rounding_of_the_exact_product_row_by_row(dtype, rows, f):
+    """silu_mul: silu(gate) * up rounded once (torch's F.silu(gate) * up
+    rounds twice); each row the same bits alone as in company; widths not a
+    multiple of 16 take the scalar tail."""
+    gen = torch.Generator().manual_seed(rows * f)
+    gate_up = (torch.randn(rows, 2 * f, generator=gen) * 6).to(dtype)
+    got = native.silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    # bf16: half a unit of the last place, relative (one rounding); fp32: a
+    # few roundings and the exp polynomial's ~2e-7.
+    step = 2**-8 if dtype == torch.bfloat16 else 2**-20
+    assert got.dtype == dtype and got.shape == (rows, f)
+    assert ((got.double() - exact).abs() <= step * exact.abs() + 1e-30).all()
+    for r in (0, rows - 1):
+        assert torch.equal(native.silu_mul(gate_up[r : r + 1])[0], got[r])
+    with pytest.raises(RuntimeError, match=r"silu_mul takes rows \[T, 2F\]"):
+        native.silu_mul(gate_up[:, :3])

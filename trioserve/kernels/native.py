@@ -111,6 +111,12 @@ def library() -> ctypes.CDLL | None:
     fn = lib.trioserve_rms_norm
     fn.restype = None
     fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.trioserve_add_rms_norm
+    fn.restype = None
+    fn.argtypes = [_ptr] * 4 + [_i64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn = lib.trioserve_silu_mul
+    fn.restype = None
+    fn.argtypes = [_ptr] * 2 + [_i64] * 2 + [ctypes.c_int]
     fn = lib.trioserve_rope_write_kv
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_int]
@@ -156,6 +162,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     out = torch.empty(x.shape, dtype=dtype)
     kind = _float_kind(out) if checked else int(dtype == torch.bfloat16)
     lib.trioserve_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, kind)
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True) -> torch.Tensor:
+    """``h += delta`` in place (h fp32 rows [T, n]; delta [T, n] bfloat16 or
+    float32, widened as torch adds them), then `rms_norm` of the new h: the
+    same bits as ``h = h + delta`` followed by `rms_norm`, in one pass.
+    ``checked=False``: as for `decode_attention` (h, delta and weight
+    contiguous, dtype bfloat16 or float32)."""
+    lib = _lib()
+    if checked:
+        if h.dtype != torch.float32 or not h.is_contiguous() or h.dim() != 2 or delta.shape != h.shape or weight.shape != (h.shape[1],):
+            raise RuntimeError(f"add_rms_norm takes contiguous fp32 rows [T, n], a delta of their shape and a weight [n], got {tuple(h.shape)}, {tuple(delta.shape)}, {tuple(weight.shape)}")
+        delta = delta.contiguous()
+        _float_kind(delta)
+        if weight.dtype != torch.float32:
+            raise RuntimeError(f"add_rms_norm takes an fp32 weight, got {weight.dtype}")
+        weight = weight.contiguous()
+    out = torch.empty(h.shape, dtype=dtype)
+    kind = _float_kind(out) if checked else int(dtype == torch.bfloat16)
+    lib.trioserve_add_rms_norm(
+        h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps,
+        int(delta.dtype == torch.bfloat16), kind,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+    """``silu(gate) * up`` of packed rows [T, 2F] (gate then up), in fp32,
+    rounded once to gate_up's dtype (bfloat16 or float32): [T, F].
+    Within rounding of torch's ``F.silu(gate) * up``, which rounds twice;
+    not its bits. ``checked=False``: as for `decode_attention`."""
+    lib = _lib()
+    if checked:
+        gate_up = gate_up.contiguous()
+        _float_kind(gate_up)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise RuntimeError(f"silu_mul takes rows [T, 2F], got {tuple(gate_up.shape)}")
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    lib.trioserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16))
     return out
 
 

@@ -199,8 +199,8 @@ class LlamaModel:
         def project(p: Projection, x: torch.Tensor) -> torch.Tensor:
             return p.fixed(x, d) if self.batch_invariant else p(x, d)
 
+        x = self._rms_norm(h, self.layers[0].attn_norm) if self.layers else None
         for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer.attn_norm)
             qkv = project(layer.qkv, x)
             if self.native:
                 q = native.rope_write_kv(
@@ -215,11 +215,27 @@ class LlamaModel:
                 k = ops.apply_rope(k, cos, sin)
                 ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k[:real], v[:real].contiguous())
             attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
-            h = h + project(layer.o, attn.reshape(-1, n_q))
-            x = self._rms_norm(h, layer.mlp_norm)
-            gate, up = project(layer.gate_up, x).chunk(2, dim=-1)
-            h = h + project(layer.down, F.silu(gate) * up)
+            x = self._add_rms_norm(h, project(layer.o, attn.reshape(-1, n_q)), layer.mlp_norm)
+            gate_up = project(layer.gate_up, x)
+            if self.native:
+                act = native.silu_mul(gate_up.contiguous(), checked=False)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            down = project(layer.down, act)
+            if i + 1 < len(self.layers):
+                x = self._add_rms_norm(h, down, self.layers[i + 1].attn_norm)
+            else:
+                h.add_(down)
         return self._head(self._rms_norm(h.index_select(0, batch.last_index), self.norm))
+
+    def _add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``h += delta`` (the fp32 residual stream, in place), then h normed
+        and cast to the weights' dtype."""
+        if self.native:
+            return native.add_rms_norm(h, delta.contiguous(), weight, self.config.rms_eps, self.dtype, checked=False)
+        h.add_(delta)
+        return self._rms_norm(h, weight)
 
     def _rms_norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The fp32 residual rows ``h`` normed and cast to the weights' dtype."""

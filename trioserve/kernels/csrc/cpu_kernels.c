@@ -5,6 +5,8 @@
  *   trioserve_decode_attention  paged attention of query rows over the block pool (decode rows and
  *                               prompt rows; its comment below has the layouts)
  *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
+ *   trioserve_add_rms_norm      the residual add, in place, then that RMSNorm
+ *   trioserve_silu_mul          the MLP's silu(gate) * up
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
@@ -461,6 +463,74 @@ void trioserve_rms_norm(const float *x, const float *weight, void *out, int64_t 
     for (int64_t r = 0; r < rows; r++) {
         if (bf16) rms_norm_row(x + r * n, weight, out, r, n, eps, 1);
         else rms_norm_row(x + r * n, weight, out, r, n, eps, 0);
+    }
+}
+
+/* h[t] += delta[t] (delta bf16 or fp32, widened: what torch's fp32 + bf16
+ * gives), then out[t] = the RMSNorm of the new h[t] as trioserve_rms_norm
+ * computes it: the same bits as the add followed by that kernel. */
+void trioserve_add_rms_norm(float *h, const void *delta, const float *weight, void *out, int64_t rows, int64_t n,
+                            float eps, int delta_bf16, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = h + r * n;
+        for (int64_t i = 0; i < n; i++) row[i] += load(delta, r * n + i, delta_bf16);
+        if (bf16) rms_norm_row(row, weight, out, r, n, eps, 1);
+        else rms_norm_row(row, weight, out, r, n, eps, 0);
+    }
+}
+
+/* x / (1 + e^-x) in fp32, with exp taken of a non-positive argument only. */
+static inline float silu(float x) {
+    if (x >= 0.0f) return x / (1.0f + exp_nonpositive(-x));
+    const float e = exp_nonpositive(x);
+    return x * e / (1.0f + e);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const void *base, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* `float_to_bf16` of 16 lanes: the same integer steps. */
+static inline __m256i bf16_of16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* `silu` of 16 lanes, the same operations. */
+static inline __m512 silu16(__m512 x) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 e = exp_nonpositive16(_mm512_mask_sub_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), neg, x, _mm512_setzero_ps()));
+    const __m512 num = _mm512_mask_mul_ps(x, neg, x, e);
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, f + i] for i < f, gu [rows, 2f]: the
+ * product in fp32, rounded once to out's dtype (bf16 or fp32, as gu); with
+ * AVX-512, 16 at a time by the same operations. */
+void trioserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t f, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= f; i += 16) {
+            const __m512 y = _mm512_mul_ps(silu16(load16(gu, r * 2 * f + i, bf16)), load16(gu, r * 2 * f + f + i, bf16));
+            if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * f + i), bf16_of16(y));
+            else _mm512_storeu_ps((float *)out + r * f + i, y);
+        }
+#endif
+        for (; i < f; i++) {
+            const float g = load(gu, r * 2 * f + i, bf16), u = load(gu, r * 2 * f + f + i, bf16);
+            store(out, r * f + i, silu(g) * u, bf16);
+        }
     }
 }
 
