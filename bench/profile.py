@@ -11,12 +11,14 @@ gives each part's share of the step:
 - build: turning the chunks into a StepBatch (models/step.py);
 - projections: the four per-layer matmuls (QKV, O, gate+up, down);
 - head: the output head (49,152 x 576);
-- attention: paged attention, gather of cached K/V included (decode rows
+- attention: paged attention, gather of cached K/V included (every row
   through the C kernel, kernels/native.py, where it is built);
 - gather: the K/V gather alone (part of attention; the C kernel has none);
-- norms, rope, kv write: the small per-layer operations;
-- rest: whatever else runs between them (embedding, residual adds,
-  SiLU * up, slicing, Python), i.e. the step's wall time minus the parts.
+- norms, rope, kv write: the small per-layer operations (norms with the
+  residual add fused in, where the C kernels run);
+- silu: SiLU * up (the C kernel's; torch's counts in rest);
+- rest: whatever else runs between them (embedding, residual adds on the
+  torch path, slicing, Python), i.e. the step's wall time minus the parts.
 
 Also prints the number of torch operator calls per step and the sum of
 their own (self) CPU time, so that "Python and dispatch" is the step time
@@ -49,7 +51,7 @@ BLOCK = 16
 CONTEXT = 256
 PROMPT = 512
 ROWS = (1, 8, 32)
-PARTS = ("build", "projections", "head", "attention", "gather", "norms", "rope", "kv write")
+PARTS = ("build", "projections", "head", "attention", "gather", "norms", "rope", "kv write", "silu")
 
 
 def _labelled(label: str, fn):
@@ -75,6 +77,8 @@ def labels():
     patch(reference, "paged_attention", "attention")
     patch(native, "decode_attention", "attention")  # decode rows, where the C kernels are built
     patch(native, "rms_norm", "norms")
+    patch(native, "add_rms_norm", "norms")
+    patch(native, "silu_mul", "silu")
     patch(native, "rope_write_kv", "rope")  # the K/V store included
     patch(reference, "_gather_blocks", "gather")
     patch(reference, "rms_norm", "norms")
