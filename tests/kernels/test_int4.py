@@ -132,3 +132,41 @@ def test_bf16_model_with_int4_weights_matches_without(tiny_checkpoints):
     assert torch.equal(a[1], prompt_only[0])
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("n", "k", "with_bias"), [(96, 64, False), (64, 160, True)])
+def test_prompt_tiles_join_only_where_they_round_as_single_tiles(dtype, n, k, with_bias):
+    """Prompt rows in calls of several 128-row tiles give the bits of one
+    tile at a time, at every row count; the check says how many tiles may
+    join, and says 1 where a bigger call would round otherwise."""
+    from trioserve.kernels import int4
+
+    joined = int4.prompt_tiles_per_call(n, k, dtype, with_bias, torch.get_num_threads())
+    assert 1 <= joined <= int4.MOST_TILES_PER_CALL
+    gen = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    for rows in (1, 128, 300, 5 * 128 + 17):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        assert torch.equal(int4.tiled_linear(x, weight, bias, 128, joined), int4.tiled_linear(x, weight, bias, 128, 1))
+
+
+def test_prompt_tiles_stay_single_where_a_bigger_call_rounds_otherwise(monkeypatch):
+    """torch's F.linear (a boundary we do not own) made to round calls of
+    more than one tile differently: the check finds it and keeps tiles
+    single."""
+    from trioserve.kernels import int4
+
+    real = int4.F.linear
+
+    def rounding_by_rows(x, weight, bias=None):
+        out = real(x, weight, bias)
+        return out * (1 + 2**-7) if x.shape[0] > int4.PROMPT_TILE else out
+
+    monkeypatch.setattr(int4.F, "linear", rounding_by_rows)
+    int4.prompt_tiles_per_call.cache_clear()
+    try:
+        assert int4.prompt_tiles_per_call(64, 64, torch.bfloat16, False, torch.get_num_threads()) == 1
+    finally:
+        int4.prompt_tiles_per_call.cache_clear()
