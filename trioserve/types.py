@@ -276,6 +276,9 @@ class TokenEvent:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens whose KV the prefix cache already held: a report of the
+    # cache's state, not of the output, so not compared (eq=False).
+    cached_tokens: int = attrs.field(default=0, eq=False)
 
     @property
     def total_tokens(self) -> int:

@@ -242,7 +242,7 @@ BAD_CHAT = [
     ({"messages": []}, "messages", "must not be empty"),
     ({"messages": ["hi"]}, "messages[0]", "expected an object, got the string 'hi'"),
     ({"messages": [{"content": "x"}]}, "messages[0].role", "this field is required"),
-    ({"messages": [{"role": "bot"}]}, "messages[0].role", "must be one of 'system', 'user', 'assistant', 'tool'"),
+    ({"messages": [{"role": "bot"}]}, "messages[0].role", "must be one of 'system', 'developer', 'user', 'assistant', 'tool'"),
     ({"messages": [{"role": 1}]}, "messages[0].role", "must be one of"),
     ({"messages": TWO}, "messages[1].content", "expected a string or a list of content parts, got 5"),
     ({"messages": [{"role": "user", "content": {"type": "text"}}]}, "messages[0].content", "content parts"),

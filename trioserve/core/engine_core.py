@@ -330,4 +330,4 @@ class EngineCore:
             total_s=now - seq.arrival,
         )
         del self.seqs[seq.id]
-        return FinalEvent(seq.id, reason, Usage(len(seq.prompt_ids), seq.generated), seq.seed, text, error, timings, seq.draw_index)
+        return FinalEvent(seq.id, reason, Usage(len(seq.prompt_ids), seq.generated, seq.cached_prompt), seq.seed, text, error, timings, seq.draw_index)

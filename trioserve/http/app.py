@@ -241,16 +241,20 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             engine = state.ready()
             req = await off_loop(parse_completion_request, await _body(settings.max_body_bytes))
             _check_model(state, req.model)
-            _check_n(engine, req.n)
             prompts = await off_loop(_completion_prompts, engine, req.prompt, settings.allow_special_in_prompt)
-            if len(prompts) != 1:
-                raise HTTPError(400, "only one prompt per request is supported; send a string or one list of token ids", param="prompt")
-            prompt_text, prompt_ids = prompts[0]
-            params = sampling_params(req, default_max_tokens=_default_max_tokens(engine, prompt_ids, "prompt", settings.default_max_tokens))
-            guides = await compile_guides(engine, req, req.n)
+            # A list of prompts is that many independent prompts, n choices each.
+            _check_n(engine, req.n, len(prompts))
+            each = [
+                (text, ids, sampling_params(req, default_max_tokens=_default_max_tokens(engine, ids, "prompt", settings.default_max_tokens)))
+                for text, ids in prompts
+            ]
+            guides = await compile_guides(engine, req, req.n * len(prompts))
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        job = Connection(state, engine, "text", prompt_ids, params, req.n, req.logprobs is not None, prompt_text=prompt_text, echo=req.echo)
+        (prompt_text, prompt_ids, params), *more = each
+        job = Connection(
+            state, engine, "text", prompt_ids, params, req.n, req.logprobs is not None, prompt_text=prompt_text, echo=req.echo, more_prompts=more
+        )
         job.guides = guides
         return await job.respond(req.stream, req.stream_options)
 
@@ -289,12 +293,18 @@ def _default_max_tokens(engine: Engine, prompt_ids: list[int], field: str, cap: 
     return max(1, min(room, cap, pool_room))
 
 
-def _check_n(engine: Engine, n: int) -> None:
-    """n choices are n requests; more than the queue holds could never all
-    be accepted, so say so instead of answering 429 forever."""
+def _check_n(engine: Engine, n: int, prompts: int = 1) -> None:
+    """n choices of each prompt are that many requests; more than the queue
+    holds could never all be accepted, so say so instead of answering 429
+    forever."""
     limit = engine.config.max_queue
     if n > limit:
         raise RequestError(f"n ({n}) is more than this server queues at once ({limit}, --max-queue)", field="n")
+    if n * prompts > limit:
+        raise RequestError(
+            f"{prompts} prompts x n ({n}) = {n * prompts} choices, more than this server queues at once ({limit}, --max-queue)",
+            field="prompt",
+        )
 
 
 def _completion_prompts(engine: Engine, prompt, special: bool) -> list[tuple[str, list[int]]]:

@@ -33,15 +33,20 @@ def seed_for(params, index: int):
 
 
 class Connection:
-    """One HTTP request's generations (n of them) and their rendering."""
+    """One HTTP request's generations and their rendering: n choices of one
+    prompt, or, for a completions request with a list of prompts, n of each
+    (``more_prompts``: the second prompt on, as (text, ids, params)). Choice
+    i is choice i % n of prompt i // n, OpenAI's numbering."""
 
-    def __init__(self, state, engine, kind, prompt_ids, params, n, logprobs, *, prompt_text: str, echo: bool):
+    def __init__(self, state, engine, kind, prompt_ids, params, n, logprobs, *, prompt_text: str, echo: bool, more_prompts=()):
         self.state = state
         self.engine = engine
         self.kind = kind  # "chat" or "text"
         self.prompt_ids = prompt_ids
         self.params = params
-        self.n = n
+        self.prompts = [(prompt_text, prompt_ids, params), *more_prompts]
+        self.per_prompt = n
+        self.n = n * len(self.prompts)
         self.logprobs = logprobs
         self.prompt_text = prompt_text
         self.echo = echo
@@ -59,10 +64,24 @@ class Connection:
         self.created = openai.now()
         self.model = state.model_name
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Usage's prompt_tokens: every prompt's, once each (not per choice)."""
+        return sum(len(ids) for _, ids, _ in self.prompts)
+
+    @staticmethod
+    def _cached(finals) -> int:
+        """Usage's cached prompt tokens: those of each prompt's first choice."""
+        return sum(final.usage.cached_tokens for final in finals)
+
+    def _prompt_text(self, index: int) -> str:
+        return self.prompts[index // self.per_prompt][0]
+
     def _request(self, index: int) -> GenerateRequest:
         guide = self.guides[index] if self.guides is not None else None
+        _, ids, params = self.prompts[index // self.per_prompt]
         if index:
-            return GenerateRequest(self.prompt_ids, seed_for(self.params, index), guide=guide)
+            return GenerateRequest(ids, seed_for(params, index % self.per_prompt), guide=guide)
         return GenerateRequest(self.prompt_ids, self.params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide)
 
     def _choice(self, index: int) -> openai.Choice:
@@ -102,13 +121,15 @@ class Connection:
         body["choices"] = [
             {
                 "index": c.index,
-                "text": (self.prompt_text if self.echo else "") + c.content,
-                "logprobs": openai.completion_logprobs(self.engine.tokenizer, c.tokens, len(self.prompt_text) if self.echo else 0) if self.logprobs else None,
+                "text": (self._prompt_text(c.index) if self.echo else "") + c.content,
+                "logprobs": openai.completion_logprobs(self.engine.tokenizer, c.tokens, len(self._prompt_text(c.index)) if self.echo else 0) if self.logprobs else None,
                 "finish_reason": c.final.finish_reason,
             }
             for c in choices
         ]
-        body["usage"] = openai.usage_body(len(self.prompt_ids), sum(c.final.usage.completion_tokens for c in choices))
+        body["usage"] = openai.usage_body(
+            self.prompt_tokens, sum(c.final.usage.completion_tokens for c in choices), self._cached(c.final for c in choices if c.index % self.per_prompt == 0)
+        )
         return json_response(body)
 
     async def stream(self, include_usage: bool) -> Response:
@@ -138,15 +159,18 @@ class Connection:
         choices stream one after another, each chunk carrying its index.
         ``first`` is the accepted first generation's context, entered already."""
         completion_tokens = 0
+        firsts: list[FinalEvent] = []  # each prompt's first choice's end, for usage's cached tokens
         async with _entered(first):
             if self.kind == "chat":
                 for i in range(self.n):
                     yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, i, {"role": "assistant", "content": ""}))
             elif self.echo:
                 for i in range(self.n):
-                    yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self.prompt_text))
+                    yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self._prompt_text(i)))
             choice = self._choice(0)
             async for event in events:
+                if isinstance(event, FinalEvent):
+                    firsts.append(event)
                 deltas = choice.add(event)
                 if isinstance(event, FinalEvent) and event.finish_reason != "error" and self.on_final is not None:
                     self.on_final(choice)
@@ -158,6 +182,8 @@ class Connection:
                 async with aclosing(self.engine.generate(self._request(index))) as more:
                     choice = self._choice(index)
                     async for event in more:
+                        if isinstance(event, FinalEvent) and index % self.per_prompt == 0:
+                            firsts.append(event)
                         for chunk, done_tokens in self._render(choice, event, choice.add(event)):
                             completion_tokens += done_tokens
                             yield chunk
@@ -167,7 +193,9 @@ class Connection:
                 break
         if include_usage:
             kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            yield openai.sse(openai.usage_chunk(kind, self.id, self.created, self.model, len(self.prompt_ids), completion_tokens))
+            yield openai.sse(
+                openai.usage_chunk(kind, self.id, self.created, self.model, self.prompt_tokens, completion_tokens, self._cached(firsts))
+            )
         yield openai.sse("[DONE]")
 
     def _render(self, choice: openai.Choice, event, deltas):
@@ -198,7 +226,7 @@ class Connection:
             lp = None
             if self.logprobs:
                 # Offsets count from the start of the choice's text, echoed prompt included, as buffered ones do.
-                at = self._text_offsets.get(index, len(self.prompt_text) if self.echo else 0)
+                at = self._text_offsets.get(index, len(self._prompt_text(index)) if self.echo else 0)
                 lp = openai.completion_logprobs(tok, [event], at)
                 self._text_offsets[index] = at + len(lp["tokens"][0])
             yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, index, event.text, None, lp)), 0

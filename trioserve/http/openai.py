@@ -135,8 +135,13 @@ def completion_logprobs(tokenizer: Tokenizer, events: Sequence[TokenEvent], offs
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with ``cached_tokens`` (prompt tokens whose KV
+    was already held, from the prefix cache) its prompt_tokens_details."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def envelope(kind: str, response_id: str, created: int, model: str) -> dict:
@@ -154,7 +159,7 @@ def chat_body(response_id: str, created: int, model: str, choices: Sequence[Choi
         }
         for c in choices
     ]
-    body["usage"] = usage_body(prompt_tokens, sum(c.final.usage.completion_tokens for c in choices))
+    body["usage"] = usage_body(prompt_tokens, sum(c.final.usage.completion_tokens for c in choices), choices[0].final.usage.cached_tokens)
     return body
 
 
@@ -171,8 +176,10 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, tex
     return body
 
 
-def usage_chunk(kind: str, response_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(
+    kind: str, response_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict:
     body = envelope(kind, response_id, created, model)
     body["choices"] = []
-    body["usage"] = usage_body(prompt_tokens, completion_tokens)
+    body["usage"] = usage_body(prompt_tokens, completion_tokens, cached_tokens)
     return body

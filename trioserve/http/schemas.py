@@ -10,6 +10,9 @@ the order the record declares them; list items in order) and whose message
 starts with that path: ``messages[1].content: expected a string or a list of
 content parts, got 5``.
 
+JSON null for a field that has a default means the default (OpenAI marks
+its optional fields nullable), so ``"n": null`` is ``n = 1``.
+
 A feature the server does not offer is refused by name rather than ignored:
 functions, function_call other than "none" (send tools), suffix, best_of
 other than 1 or n, completion logprobs above 5, stream_options without
@@ -518,7 +521,8 @@ class ResponseFormat:
 
 @attrs.frozen
 class ChatMessage:
-    role: Literal["system", "user", "assistant", "tool"]
+    # "developer" is OpenAI's newer name for "system"; templates see "system" (tools.message_dict).
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | tuple[ContentPart, ...] | None = _field(None, parse=_parse_content)
     name: str | None = None
     tool_call_id: str | None = None
@@ -631,10 +635,16 @@ def _record_hook(cls: type, converter: cattrs.Converter) -> Callable[[object, ob
         if _PARSE in field.metadata or _CHECK in field.metadata
     }
     generated = make_dict_structure_fn(cls, converter, _cattrs_detailed_validation=True, **overrides)
+    # JSON null for a field with a default means that default, as OpenAI's
+    # nullable fields do ("n": null, "stream": null, "logprobs": null, ...);
+    # fields whose default is None take null as it is.
+    defaulted = frozenset(f.name for f in attrs.fields(cls) if f.default is not attrs.NOTHING and f.default is not None)
 
     def structure(value: object, type_: object) -> object:
         if not isinstance(value, dict):
             raise _Invalid(f"expected an object, got {_got(value)}")
+        if any(value.get(name, 0) is None for name in defaulted):
+            value = {key: item for key, item in value.items() if not (item is None and key in defaulted)}
         return generated(value, type_)
 
     return structure

@@ -86,7 +86,7 @@ def tool_json(tool: Tool) -> dict[str, Any]:
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
     """A request message as the template (and a session's history) sees it."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:

@@ -182,7 +182,7 @@ class SchedulingPolicy:
             self.pool.free_sequence(seq.id)
             return False
         self.pool.grow(seq.id, seq.max_total)
-        seq.num_cached = len(shared) * self.pool.block_size
+        seq.num_cached = seq.cached_prompt = len(shared) * self.pool.block_size
         if self.cache is not None:
             self.cache.record(len(seq.prompt_ids), seq.num_cached)
         return True

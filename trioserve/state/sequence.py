@@ -38,6 +38,7 @@ class Sequence:
     output_ids: list[int] = attrs.field(factory=list)
     generated: int = 0  # tokens sampled, the one that ended the output included
     num_cached: int = 0  # tokens of prompt + output already in the KV cache
+    cached_prompt: int = 0  # of the prompt, tokens the prefix cache held at admission (usage's cached_tokens)
     draw_index: int = 0
     cancelled: bool = False
     admitted_at: float | None = None
