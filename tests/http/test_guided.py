@@ -113,6 +113,9 @@ async def test_a_forced_call_is_valid_and_parsed(server, stream):
                 deltas = [c["choices"][0]["delta"] for c in sse.chunks if c["choices"]]
                 calls = [call for d in deltas for call in d.get("tool_calls") or []]
                 assert all(not d.get("content") for d in deltas)  # nothing leaks as text
+                # OpenAI's shapes: a forced reply's role chunk and each call's chunk carry content null.
+                assert deltas[0] == {"role": "assistant", "content": None}
+                assert all(d["content"] is None for d in deltas if "tool_calls" in d)
                 finish = [c["choices"][0]["finish_reason"] for c in sse.chunks if c["choices"]][-1]
     assert finish == "tool_calls"
     assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")

@@ -232,6 +232,8 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             return error_response(exc)
         job = Connection(state, engine, "chat", prompt_ids, params, req.n, req.logprobs, prompt_text="", echo=False)
         job.guides = guides
+        if req.tool_choice is not None and req.tool_choice.mode in ("required", "function"):
+            job.role_content = None
         state.parsers(job, req.tools, req.tool_choice)
         return await job.respond(req.stream, req.stream_options)
 

@@ -53,6 +53,9 @@ class Connection:
         self.draw_start = 0  # a session turn continues its random stream
         self.retain: str | None = None  # a session turn's KV is held for the session
         self.guides: list | None = None  # one output constraint per choice (guided decoding)
+        # The role chunk's content: "" (text may follow), None when the reply
+        # can only be tool calls (a forcing tool_choice), as OpenAI sends.
+        self.role_content: str | None = ""
         self._text_offsets: dict[int, int] = {}  # streamed completions: each choice's next token's text_offset
         # Makes each chat choice's output parser (tool calls, reasoning), or None.
         self.parser_factory: Callable[[int], OutputParser | None] | None = None
@@ -163,7 +166,7 @@ class Connection:
         async with _entered(first):
             if self.kind == "chat":
                 for i in range(self.n):
-                    yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, i, {"role": "assistant", "content": ""}))
+                    yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, i, {"role": "assistant", "content": self.role_content}))
             elif self.echo:
                 for i in range(self.n):
                     yield openai.sse(openai.completion_chunk(self.id, self.created, self.model, i, self._prompt_text(i)))

@@ -96,8 +96,8 @@ def tool_call_body(call: ToolCall, *, with_index: bool = False) -> dict:
 
 def delta_body(delta: Delta) -> dict:
     """A chat chunk's delta for one piece of parsed output."""
-    if delta.tool_call is not None:
-        return {"tool_calls": [tool_call_body(delta.tool_call, with_index=True)]}
+    if delta.tool_call is not None:  # a call comes whole, so this is its first chunk: content null, as OpenAI's
+        return {"content": None, "tool_calls": [tool_call_body(delta.tool_call, with_index=True)]}
     if delta.reasoning:
         return {"reasoning_content": delta.reasoning}
     return {"content": delta.content}
