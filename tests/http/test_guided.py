@@ -306,3 +306,69 @@ async def test_forced_calls_keep_each_tools_definitions_and_bad_parameters_name_
         assert_error(bad, 400, fragment="tools[1].function.parameters: invalid parameters schema", param="tools[1].function.parameters")
         wrong = await client.post("/v1/chat/completions", json={"messages": ASK, "tools": [stringly]})
         assert_error(wrong, 400, fragment="must be a JSON schema of an object (type 'object'), got type the string 'string'", param="tools[0].function.parameters")
+
+
+OPEN = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}
+BARE = {"type": "function", "function": {"name": "ping"}}
+
+
+def _pushing_to_more_keys() -> dict[str, int]:
+    """logit_bias toward every token holding a comma or a quote: under an
+    open object schema the call then keeps adding keys until max_tokens."""
+    from tests.tiny_tokenizer import train_tiny_tokenizer
+
+    vocab = train_tiny_tokenizer().get_vocab(with_added_tokens=True)
+    return {str(i): 10 for piece, i in vocab.items() if "," in piece or '"' in piece}
+
+
+def test_call_schemas_close_every_object_that_does_not_say():
+    """A missing additionalProperties becomes false (nested objects, array
+    items and definitions too); an explicit value is kept; allOf branches
+    stay open."""
+    from trioserve.http.tools import closed
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "list": {"type": "array", "items": {"type": "object", "properties": {"c": {"type": "integer"}}}},
+            "free": {"type": "object", "additionalProperties": True},
+            "both": {"allOf": [{"type": "object", "properties": {"x": {}}}, {"properties": {"y": {}}}]},
+            "ref": {"$ref": "#/$defs/Thing"},
+        },
+        "$defs": {"Thing": {"type": "object", "properties": {"t": {"type": "string"}}}},
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["list"]["items"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True
+    assert "additionalProperties" not in out["properties"]["both"]["allOf"][0]
+    assert out["$defs"]["Thing"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema and "additionalProperties" not in schema["properties"]["a"]  # a copy
+
+
+@pytest.mark.parametrize("tool", [OPEN, BARE], ids=["no-additionalProperties", "no-parameters"])
+async def test_a_forced_call_to_an_open_schema_closes_with_only_its_keys(server, tool):
+    """langchain's default tools (no additionalProperties) and tools with no
+    parameters: the forced call ends as a call, with no key the schema does
+    not name, well before max_tokens, for several seeds, even with every
+    comma and quote pushed up (an open object would take keys forever)."""
+    name = tool["function"]["name"]
+    bias = _pushing_to_more_keys()
+    with trio.fail_after(120):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            for seed in range(4):
+                body = await chat(
+                    client, tools=[tool], tool_choice={"type": "function", "function": {"name": name}}, temperature=1.0, seed=seed, max_tokens=120, logit_bias=bias
+                )
+                choice = body["choices"][0]
+                assert choice["finish_reason"] == "tool_calls", choice
+                assert body["usage"]["completion_tokens"] < 120
+                call = choice["message"]["tool_calls"][0]["function"]
+                arguments = json.loads(call["arguments"])
+                assert call["name"] == name
+                if tool is BARE:
+                    assert arguments == {}
+                else:
+                    assert set(arguments) == {"q"}

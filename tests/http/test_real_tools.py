@@ -63,3 +63,29 @@ async def test_real_forced_call_buffered_streamed_and_in_a_session(smollm2_serve
     assert "tool_calls" not in reply["message"]
     assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
     assert history[1]["tool_calls"] == [call] and history[2] == result
+
+
+LANGCHAIN_STYLE = {  # bind_tools' default: no additionalProperties
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+}
+NO_PARAMETERS = {"type": "function", "function": {"name": "get_time", "description": "The current time."}}
+
+
+@pytest.mark.parametrize("tool", [LANGCHAIN_STYLE, NO_PARAMETERS], ids=["no-additionalProperties", "no-parameters"])
+async def test_real_forced_call_to_an_open_schema_is_a_well_formed_call(smollm2_server, tool):
+    """Issue #13: such a call used to add keys until max_tokens (finish
+    length, raw <tool_call> text in content); now it is a call."""
+    name = tool["function"]["name"]
+    body = {"messages": QUESTION, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": name}}, "temperature": 0, "max_tokens": 96}
+    with trio.fail_after(240):
+        async with httpx.AsyncClient(base_url=smollm2_server, timeout=120.0) as client:
+            reply = (await client.post("/v1/chat/completions", json=body)).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == name
+    assert set(arguments) == ({"city"} if tool is LANGCHAIN_STYLE else set())
+    assert reply["usage"]["completion_tokens"] < 96

@@ -147,12 +147,46 @@ def _fallback(
     return out
 
 
+# Keys under which a schema holds schemas whose objects `closed` closes too.
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of a parameters schema whose objects take no keys beyond those
+    they name: "additionalProperties": false wherever an object schema does
+    not say, as llama.cpp's server does for calls. Clients leave it out
+    (langchain's bind_tools, tools without parameters), and an open object
+    lets a forced call add keys until max_tokens. allOf branches are left
+    open (each names only part of the keys)."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_schema(tool: Tool) -> dict:
     """The JSON schema of one call to ``tool``: {"name": its name,
-    "arguments": its parameters}. The parameters' own definitions ($defs,
-    definitions) move to this schema's root, where their "#/$defs/..."
-    references point."""
-    params = dict(tool_json(tool)["parameters"])
+    "arguments": its parameters, `closed`}. A tool without parameters takes
+    {}. The parameters' own definitions ($defs, definitions) move to this
+    schema's root, where their "#/$defs/..." references point."""
+    params = closed(dict(tool_json(tool)["parameters"]))
     hoisted = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     params.setdefault("type", "object")
     return {
