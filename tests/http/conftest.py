@@ -214,6 +214,12 @@ async def eventually(check: Callable[[], Awaitable[str | None]], *, timeout: flo
     raise AssertionError(f"{what} not within {timeout} s: {why}")
 
 
+def usage_tokens(usage: dict) -> dict:
+    """Usage without prompt_tokens_details: how many prompt tokens the prefix
+    cache held depends on what ran before, not on the request."""
+    return {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
+
+
 def assert_error(response: httpx.Response, status: int, *, fragment: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
     """``response`` is an OpenAI-shaped error with these values."""
     assert response.status_code == status, f"expected {status}, got {response.status_code}: {response.text[:500]}"

@@ -37,6 +37,7 @@ from tests.http.conftest import (
     parse_sse_lines,
     read_sse,
     start_server,
+    usage_tokens,
 )
 from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.config import EngineConfig
@@ -46,12 +47,6 @@ from trioserve.models.checkpoint import load_checkpoint
 from trioserve.types import SamplingParams
 
 TIMEOUT = httpx.Timeout(10.0)
-
-
-def _tokens(usage: dict) -> dict:
-    """Usage without prompt_tokens_details: how many prompt tokens the prefix
-    cache held depends on what ran before, not on the request."""
-    return {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
 
 
 def user(text: str) -> list[dict]:
@@ -319,7 +314,7 @@ async def test_interleaved_streams_equal_solo(server):
             expected = solo[i]["choices"][0]
             assert sse.content() == expected["message"]["content"], f"stream {i} ({PROMPTS[i]!r}) differs from its solo run"
             assert sse.choice_chunks()[-1]["finish_reason"] == expected["finish_reason"]
-            assert _tokens(sse.chunks[-1]["usage"]) == _tokens(solo[i]["usage"]), f"stream {i} usage"
+            assert usage_tokens(sse.chunks[-1]["usage"]) == usage_tokens(solo[i]["usage"]), f"stream {i} usage"
         spans = sorted((s.times[1], s.times[-1]) for s in streams.values())
         overlapping = sum(1 for a, b in zip(spans, spans[1:]) if b[0] < a[1])
         assert overlapping >= 1, f"no two streams were in flight together: {spans}"

@@ -359,6 +359,14 @@ def pack_int4(parts: Int4Parts) -> Int4Pack:
     return Int4Pack(torch.from_numpy(packed.reshape(-1)), torch.from_numpy(scales.reshape(-1).view(np.uint16)), n, k)
 
 
+def _check_matmul(code: int, name: str, n: int, k: int) -> None:
+    """Raise for a nonzero return code of the int4 or int8 kernel."""
+    if code == 2:
+        raise RuntimeError(f"{name} could not allocate its scratch memory")
+    if code:
+        raise RuntimeError(f"{name} does not run here for a {n} x {k} weight (code {code})")
+
+
 def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times the 4-bit weight's transpose:
     [R, N] in x's dtype. Each row's result depends on that row alone (the C
@@ -377,10 +385,7 @@ def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, 
         pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
         bf16, bf16, threads or torch.get_num_threads(),
     )  # fmt: skip
-    if code == 2:
-        raise RuntimeError("int4_matmul could not allocate its scratch memory")
-    if code:
-        raise RuntimeError(f"int4_matmul does not run here for a {pack.n} x {pack.k} weight (code {code})")
+    _check_matmul(code, "int4_matmul", pack.n, pack.k)
     return out
 
 
@@ -420,10 +425,7 @@ def int8_matmul(pack: Int8Pack, x: torch.Tensor, *, threads: int | None = None) 
         pack.packed.data_ptr(), pack.scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
         int(x.dtype == torch.bfloat16), threads or torch.get_num_threads(),
     )  # fmt: skip
-    if code == 2:
-        raise RuntimeError("int8_matmul could not allocate its scratch memory")
-    if code:
-        raise RuntimeError(f"int8_matmul does not run here for a {pack.n} x {pack.k} weight (code {code})")
+    _check_matmul(code, "int8_matmul", pack.n, pack.k)
     return out
 
 
