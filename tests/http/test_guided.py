@@ -372,3 +372,53 @@ async def test_a_forced_call_to_an_open_schema_closes_with_only_its_keys(server,
                     assert arguments == {}
                 else:
                     assert set(arguments) == {"q"}
+
+
+def _bias_toward(character: str) -> dict[str, int]:
+    """logit_bias toward every tiny-tokenizer token that starts with ``character``."""
+    from tests.tiny_tokenizer import train_tiny_tokenizer
+
+    vocab = train_tiny_tokenizer().get_vocab(with_added_tokens=True)
+    return {str(i): 10 for piece, i in vocab.items() if piece.startswith(character)}
+
+
+async def test_tools_with_a_response_format_under_auto_may_call_or_answer_in_the_format(server):
+    """tool_choice auto with response_format json_schema: the reply is either
+    a call with valid arguments or a reply matching the schema. Pushed
+    toward '<' the model calls (it could not, when the format constrained
+    the whole reply); pushed toward '{' it answers in the format."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    with trio.fail_after(120):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            calls = await chat(client, tools=[WEATHER], response_format=fmt, temperature=1.0, seed=3, max_tokens=200, logit_bias=_bias_toward("<"))
+            words = await chat(client, tools=[WEATHER], response_format=fmt, temperature=1.0, seed=3, max_tokens=300, logit_bias=_bias_toward("{"))
+            either = [await chat(client, tools=[WEATHER], response_format=fmt, temperature=1.0, seed=seed, max_tokens=300) for seed in range(4)]
+    call_choice = calls["choices"][0]
+    assert call_choice["finish_reason"] == "tool_calls", call_choice
+    (call,) = call_choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    for body in [words, *either]:
+        choice = body["choices"][0]
+        if choice["finish_reason"] == "tool_calls":
+            jsonschema.validate(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+        elif choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+        else:
+            assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+    assert words["choices"][0]["finish_reason"] != "tool_calls" and words["choices"][0]["message"]["content"].startswith("{")
+
+
+async def test_a_forced_call_with_a_response_format_is_a_call(server):
+    """OpenAI allows both: the forced call is this reply; the format is for
+    replies in words. The guided_* extensions still cannot join a forced call."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            body = await chat(client, tools=[WEATHER], tool_choice=forced, response_format=fmt, temperature=1.0, seed=5, max_tokens=200)
+            refused = await client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": forced, "guided_regex": "a+"})
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    jsonschema.validate(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert_error(refused, 400, fragment="cannot be combined with a tool_choice that forces a call", param="guided_regex")

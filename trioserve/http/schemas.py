@@ -757,8 +757,11 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
         _refuse("tool_choice", f"no tool named {_short(choice.name)} (tools: {', '.join(names)})")
     if _one_call_only(request) and isinstance(request.stop, tuple) and len(request.stop) >= MAX_STOP_STRINGS:
         _refuse("stop", f"with parallel_tool_calls false at most {MAX_STOP_STRINGS - 1} stop strings are allowed (one is used to end the call)")
-    constraints = _constraints(request)
+    constraints = [c for c in _constraints(request) if c != "response_format"]
     if choice is not None and choice.mode in ("required", "function") and constraints:
+        # response_format shapes replies in words, which a forced call is
+        # not: it applies to the turns after (OpenAI's reading); the guided_*
+        # extensions constrain this very reply, so they cannot.
         _refuse(constraints[0], "cannot be combined with a tool_choice that forces a call")
     return request
 

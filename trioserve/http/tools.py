@@ -211,6 +211,23 @@ def forced_call_grammar(tools: Sequence[Tool], choice: ToolChoice) -> str:
     return "\n".join([f"start: {json.dumps(CALL_OPEN)} ({calls}) {json.dumps(CALL_CLOSE)}", *rules])
 
 
+def call_or_reply_grammar(tools: Sequence[Tool], reply_schema: dict | bool) -> str:
+    """A grammar for a reply under tool_choice auto with a response format:
+    either one call to any of ``tools`` (as `forced_call_grammar` writes it)
+    or a reply in words that matches ``reply_schema``. Without it the format
+    would constrain the whole reply and no tool could ever be called."""
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
+    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+    return "\n".join(
+        [
+            "start: tool_call | reply",
+            f"tool_call: {json.dumps(CALL_OPEN)} ({calls}) {json.dumps(CALL_CLOSE)}",
+            f"reply: %json {json.dumps(reply_schema)}",
+            *rules,
+        ]
+    )
+
+
 def _forced_guides(compiler, tools: Sequence[Tool], choice: ToolChoice, n: int) -> list:
     """Guides for a forced call; a tool whose parameters cannot be compiled
     is named in the error (tools[i].function.parameters)."""
@@ -237,6 +254,10 @@ async def compile_guides(engine, request, n: int) -> list | None:
     spec = guide_spec(request)
     if spec is None:
         return None
+    tools = getattr(request, "tools", None)
+    if spec.field.startswith("response_format") and tools_offered(tools, choice):
+        schema = {"type": "object"} if spec.kind == "json_object" else spec.spec
+        spec = GuideSpec("grammar", call_or_reply_grammar(tools, schema), spec.field)
     return await off_loop(engine.guides.guides, spec, n)
 
 
