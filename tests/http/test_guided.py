@@ -175,22 +175,28 @@ async def test_bad_constraints_are_400_naming_the_field(server, extra, status, f
 @pytest.mark.parametrize("stream", [False, True])
 async def test_reasoning_goes_to_its_own_field_even_with_markers_split_across_tokens(nursery, tiny_gguf, stream):
     """The tiny tokenizer spells <think> in several tokens; a regex makes the
-    noise model write reasoning, then an answer."""
+    noise model write reasoning, then an answer. Usage counts the reasoning's
+    tokens: some, and fewer than all (the answer's are not)."""
     url = await start_server(nursery, attrs.evolve(make_settings(tiny_gguf), reasoning_parser="on"))
     body = {"messages": ASK, "guided_regex": r"<think>[a-z ]{3,12}</think>(sunny|rainy)", "temperature": 1.0, "seed": 8, "max_tokens": 60}
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
         if stream:
-            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
                 sse = await read_sse(response)
+            usage = sse.chunks[-1]["usage"]
             deltas = [c["choices"][0]["delta"] for c in sse.chunks if c["choices"]]
             reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
             content = "".join(d.get("content") or "" for d in deltas)
             assert not any("reasoning_content" in d and "content" in d for d in deltas)
         else:
-            message = (await chat(client, **{k: v for k, v in body.items() if k != "messages"}))["choices"][0]["message"]
+            reply = await chat(client, **{k: v for k, v in body.items() if k != "messages"})
+            message, usage = reply["choices"][0]["message"], reply["usage"]
             reasoning, content = message["reasoning_content"], message["content"]
     assert re.fullmatch(r"[a-z ]{3,12}", reasoning), reasoning
     assert content in ("sunny", "rainy")
+    thought = usage["completion_tokens_details"]["reasoning_tokens"]
+    # "<think>" + 3-12 letters + "</think>": at least 3 tokens; the answer's 1-5 letters take 1-5 tokens.
+    assert thought >= 3 and 1 <= usage["completion_tokens"] - thought <= len(content), usage
 
 
 async def test_the_openai_client_reads_tool_calls_and_constrained_output(server):

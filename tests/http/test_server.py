@@ -262,7 +262,10 @@ def check_chat_stream(sse: SSE, *, usage: bool) -> None:
         assert c["object"] == "chat.completion.chunk" and c["model"] == MODEL_NAME, c
     if usage:
         *chunks, last = chunks
-        assert last["choices"] == [] and set(last["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}, last
+        assert last["choices"] == [] and set(last["usage"]) == {
+            "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"
+        }, last  # fmt: skip
+        assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}, last  # no reasoning parser here
         cached = last["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert isinstance(cached, int) and 0 <= cached < last["usage"]["prompt_tokens"], last
     choices = [c["choices"] for c in chunks]

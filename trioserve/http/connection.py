@@ -131,8 +131,9 @@ class Connection:
             for c in choices
         ]
         body["usage"] = openai.usage_body(
-            self.prompt_tokens, sum(c.final.usage.completion_tokens for c in choices), self._cached(c.final for c in choices if c.index % self.per_prompt == 0)
-        )
+            self.prompt_tokens, sum(c.final.usage.completion_tokens for c in choices),
+            self._cached(c.final for c in choices if c.index % self.per_prompt == 0), 0,  # completions parse no reasoning
+        )  # fmt: skip
         return json_response(body)
 
     async def stream(self, include_usage: bool) -> Response:
@@ -163,6 +164,7 @@ class Connection:
         ``first`` is the accepted first generation's context, entered already."""
         completion_tokens = 0
         firsts: list[FinalEvent] = []  # each prompt's first choice's end, for usage's cached tokens
+        reasoning = 0  # usage's reasoning tokens, summed over the choices as each ends
         async with _entered(first):
             if self.kind == "chat":
                 for i in range(self.n):
@@ -175,6 +177,8 @@ class Connection:
                 if isinstance(event, FinalEvent):
                     firsts.append(event)
                 deltas = choice.add(event)
+                if isinstance(event, FinalEvent):
+                    reasoning += choice.reasoning_tokens
                 if isinstance(event, FinalEvent) and event.finish_reason != "error" and self.on_final is not None:
                     self.on_final(choice)
                 for chunk, done_tokens in self._render(choice, event, deltas):
@@ -187,7 +191,10 @@ class Connection:
                     async for event in more:
                         if isinstance(event, FinalEvent) and index % self.per_prompt == 0:
                             firsts.append(event)
-                        for chunk, done_tokens in self._render(choice, event, choice.add(event)):
+                        deltas = choice.add(event)
+                        if isinstance(event, FinalEvent):
+                            reasoning += choice.reasoning_tokens
+                        for chunk, done_tokens in self._render(choice, event, deltas):
                             completion_tokens += done_tokens
                             yield chunk
             except Exception as exc:  # noqa: BLE001 - refused or cut off after the stream began
@@ -197,7 +204,7 @@ class Connection:
         if include_usage:
             kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
             yield openai.sse(
-                openai.usage_chunk(kind, self.id, self.created, self.model, self.prompt_tokens, completion_tokens, self._cached(firsts))
+                openai.usage_chunk(kind, self.id, self.created, self.model, self.prompt_tokens, completion_tokens, self._cached(firsts), reasoning)
             )
         yield openai.sse("[DONE]")
 

@@ -13,7 +13,7 @@ import attrs
 
 from trioserve import __version__
 from trioserve.types import FinalEvent, TokenEvent
-from trioserve.models.output_parser import Delta, OutputParser, Parsed, ToolCall
+from trioserve.models.output_parser import THINK_CLOSE, Delta, OutputParser, Parsed, ToolCall
 from trioserve.models.tokenizer import Tokenizer
 
 FINGERPRINT = f"trioserve-{__version__}"
@@ -66,6 +66,23 @@ class Choice:
     def content(self) -> str:
         """The raw text the model produced (tags and all)."""
         return "".join(self.text)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Usage's completion_tokens_details.reasoning_tokens: the generated
+        tokens through the one whose text completes the reasoning's closing
+        tag (all of them while it is open); 0 without reasoning."""
+        if self.parser is None or not self.parsed().reasoning:
+            return 0
+        raw = self.content
+        close = raw.find(THINK_CLOSE)
+        end = len(raw) if close < 0 else close + len(THINK_CLOSE)
+        reached = 0
+        for count, token in enumerate(self.tokens, start=1):
+            reached += len(token.text)
+            if reached >= end:
+                return count
+        return self.final.usage.completion_tokens if self.final is not None else len(self.tokens)
 
     def parsed(self) -> Parsed:
         return self.parser.result() if self.parser is not None else Parsed(self.content, "", ())
@@ -135,12 +152,15 @@ def completion_logprobs(tokenizer: Tokenizer, events: Sequence[TokenEvent], offs
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int | None = None) -> dict:
     """OpenAI's usage object; with ``cached_tokens`` (prompt tokens whose KV
-    was already held, from the prefix cache) its prompt_tokens_details."""
+    was already held, from the prefix cache) its prompt_tokens_details, with
+    ``reasoning_tokens`` its completion_tokens_details."""
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return body
 
 
@@ -159,7 +179,10 @@ def chat_body(response_id: str, created: int, model: str, choices: Sequence[Choi
         }
         for c in choices
     ]
-    body["usage"] = usage_body(prompt_tokens, sum(c.final.usage.completion_tokens for c in choices), choices[0].final.usage.cached_tokens)
+    body["usage"] = usage_body(
+        prompt_tokens, sum(c.final.usage.completion_tokens for c in choices), choices[0].final.usage.cached_tokens,
+        sum(c.reasoning_tokens for c in choices),
+    )  # fmt: skip
     return body
 
 
@@ -177,9 +200,10 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, tex
 
 
 def usage_chunk(
-    kind: str, response_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> dict:
+    kind: str, response_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int,
+    cached_tokens: int | None = None, reasoning_tokens: int | None = None,
+) -> dict:  # fmt: skip
     body = envelope(kind, response_id, created, model)
     body["choices"] = []
-    body["usage"] = usage_body(prompt_tokens, completion_tokens, cached_tokens)
+    body["usage"] = usage_body(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)
     return body
