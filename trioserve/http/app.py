@@ -243,9 +243,10 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             engine = state.ready()
             req = await off_loop(parse_completion_request, await _body(settings.max_body_bytes))
             _check_model(state, req.model)
+            # A list of prompts is that many independent prompts, n choices
+            # each; counted before any is tokenized.
+            _check_n(engine, req.n, _prompt_count(req.prompt))
             prompts = await off_loop(_completion_prompts, engine, req.prompt, settings.allow_special_in_prompt)
-            # A list of prompts is that many independent prompts, n choices each.
-            _check_n(engine, req.n, len(prompts))
             each = [
                 (text, ids, sampling_params(req, default_max_tokens=_default_max_tokens(engine, ids, "prompt", settings.default_max_tokens)))
                 for text, ids in prompts
@@ -307,6 +308,14 @@ def _check_n(engine: Engine, n: int, prompts: int = 1) -> None:
             f"{prompts} prompts x n ({n}) = {n * prompts} choices, more than this server queues at once ({limit}, --max-queue)",
             field="prompt",
         )
+
+
+def _prompt_count(prompt) -> int:
+    """How many prompts a parsed `prompt` field holds: a string or one list
+    of token ids is one."""
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
 
 
 def _completion_prompts(engine: Engine, prompt, special: bool) -> list[tuple[str, list[int]]]:

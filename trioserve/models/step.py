@@ -72,9 +72,9 @@ class AttentionGroup:
     fixed: bool = False
     lengths: torch.Tensor | None = None  # [S] long, keys each sequence attends to (start + new tokens)
     decode: bool = False  # the step's decode rows, one query each
-    # Per real token, for attention read row by row (kernels/native.py):
-    # its sequence (a row of block_tables) and the keys it attends to (its
-    # position + 1).
+    # Per real token of a prompt group (None for the decode group), for
+    # attention read row by row (kernels/native.py): its sequence (a row of
+    # block_tables) and the keys it attends to (its position + 1).
     row_seq: torch.Tensor | None = None  # [count] long
     row_lengths: torch.Tensor | None = None  # [count] long
 
@@ -185,10 +185,11 @@ def _group(
         fixed=fixed,
         lengths=torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.long, device=device),
         decode=decode,
-        row_seq=torch.tensor([s for s, c in enumerate(chunks) for _ in c.token_ids], dtype=torch.long, device=device),
-        row_lengths=torch.tensor(
-            [c.start + i + 1 for c in chunks for i in range(len(c.token_ids))], dtype=torch.long, device=device
-        ),
+        # Decode rows read row s of the tables up to lengths[s]: these are for prompt rows.
+        row_seq=None if decode else torch.tensor([s for s, c in enumerate(chunks) for _ in c.token_ids], dtype=torch.long, device=device),
+        row_lengths=None
+        if decode
+        else torch.tensor([c.start + i + 1 for c in chunks for i in range(len(c.token_ids))], dtype=torch.long, device=device),
     )
 
 
