@@ -27,6 +27,7 @@ from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import check_json_body, parse_chat_request, parse_completion_request, sampling_params, tools_offered
+from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.http.guard import bearer_matches, form_content_type
@@ -56,6 +57,7 @@ class ServerState:
         self.requests = None  # the InFlight middleware, which counts HTTP requests in flight
         self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
         self.sessions = None  # the SessionStore, made with the session routes
+        self.responses = None  # the stored responses (a SessionStore too), made with their routes
         self.turns: SessionActors | None = None  # starts session actors while the engine runs
         self.reasoning = False  # split <think> reasoning out of replies
 
@@ -264,6 +266,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     state.sessions = add_session_routes(
         app, state, lambda: _body(settings.max_body_bytes), _default_max_tokens, _check_model
     )
+    state.responses = add_response_routes(app, state, lambda: _body(settings.max_body_bytes), _default_max_tokens, _check_model)
     return app
 
 

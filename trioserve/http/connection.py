@@ -102,7 +102,9 @@ class Connection:
             return await self.stream(bool(stream_options and stream_options.include_usage))
         return await self.collect()
 
-    async def collect(self) -> Response:
+    async def finished_choices(self) -> list[openai.Choice] | Response:
+        """Every choice run to its end; or the error response when one was
+        refused or failed."""
         choices = [self._choice(i) for i in range(self.n)]
         failure: list[Exception] = []
         try:
@@ -112,10 +114,20 @@ class Connection:
         except* Exception as group:
             failure.append(group.exceptions[0])
         if failure:
-            return error_response(failure[0])
+            return self.refusal(failure[0])
         failed = [c for c in choices if c.final.finish_reason == "error"]
         if failed:
-            return error_response(HTTPError(503 if self.engine.statistics().dead else 500, failed[0].final.error or "generation failed", kind="server_error"))
+            return error_response(self.failure(failed[0].final))
+        return choices
+
+    def failure(self, final: FinalEvent) -> HTTPError:
+        """The error a failed generation answers with (503 once the engine is dead)."""
+        return HTTPError(503 if self.engine.statistics().dead else 500, final.error or "generation failed", kind="server_error")
+
+    async def collect(self) -> Response:
+        choices = await self.finished_choices()
+        if isinstance(choices, Response):
+            return choices
         if self.on_final is not None:
             self.on_final(choices[0])
         if self.kind == "chat":
@@ -143,8 +155,12 @@ class Connection:
         try:
             body = await self.open_stream(include_usage)
         except Exception as exc:  # noqa: BLE001 - a refusal is an ordinary error response
-            return error_response(exc)
+            return self.refusal(exc)
         return sse_response(body)
+
+    def refusal(self, exc: Exception) -> Response:
+        """The error response for a refused request."""
+        return error_response(exc)
 
     async def open_stream(self, include_usage: bool) -> AsyncGenerator[bytes, None]:
         """Submit the first choice; raise its refusal, or give the stream's
@@ -215,7 +231,7 @@ class Connection:
         index = choice.index
         if isinstance(event, FinalEvent):
             if event.finish_reason == "error":
-                _, body, _ = to_response(HTTPError(500, event.error or "generation failed", kind="server_error"))
+                _, body, _ = to_response(self.failure(event))
                 yield openai.sse(body), event.usage.completion_tokens
                 return
             if self.kind == "chat":

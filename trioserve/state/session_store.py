@@ -56,6 +56,10 @@ class Session:
     turn_number: int | None = None  # the running turn's lease number; None when idle
     last_used: float = 0.0
     leases: int = 0  # leases handed out so far: the next one's number
+    # What a stored response keeps besides its conversation: its body, as
+    # GET /v1/responses/{id} returns it (trioserve/http/responses.py).
+    record: dict[str, Any] | None = None
+    record_bytes: int = 0  # the record's size as JSON, counted with the history
 
     @property
     def busy(self) -> bool:
@@ -70,7 +74,7 @@ class Session:
     def history_bytes(self) -> int:
         """The history's size as counted against the store's limit: message
         text, plus the JSON of any tool calls."""
-        return sum(_message_bytes(m) for m in self.messages)
+        return self.record_bytes + sum(_message_bytes(m) for m in self.messages)
 
 
 def _message_bytes(message: Mapping[str, Any]) -> int:
@@ -136,11 +140,21 @@ class SessionStore:
         defaults: Mapping[str, Any] | None = None,
         seed: int | None = None,
         created: float | None = None,
+        session_id: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        record: dict[str, Any] | None = None,
     ) -> Session:
         """``now`` is the store's clock (for idleness); ``created`` the wall
-        time shown to clients (default ``now``)."""
+        time shown to clients (default ``now``). A stored response brings its
+        own id, its whole conversation as ``messages`` and its ``record``."""
         self.expire(now)
-        session = Session(f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed, last_used=now)
+        session = Session(
+            session_id or f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed,
+            messages=[dict(m) for m in messages], last_used=now, record=record,
+            record_bytes=len(json.dumps(record, ensure_ascii=False).encode()) if record is not None else 0,
+        )  # fmt: skip
+        if session.id in self._sessions:
+            raise ValueError(f"a session {session.id!r} exists already")
         self._sessions[session.id] = session
         self._enforce_count()
         return session

@@ -1,0 +1,625 @@
+"""OpenAI's Responses API on the same engine as chat.
+
+    POST   /v1/responses          {input, instructions?, tools?, text?, previous_response_id?, stream?, ...}
+    GET    /v1/responses/{id}     a stored response, as it was answered
+    DELETE /v1/responses/{id}
+
+A request is read into the chat request it means (`parse_responses_request`):
+input items become messages (a run of ``function_call`` items one assistant
+message with those calls, a ``function_call_output`` a tool message),
+``instructions`` a system message in front, function tools and
+``tool_choice`` their chat shapes, ``text.format`` the response_format and
+``max_output_tokens`` max_completion_tokens. Chat's own parser then checks
+it all, and its errors are told in the Responses request's own field names
+(`_responses_field`). What the model produced comes back as output items,
+built from the output parser's pieces in the order they come
+(`OutputItems`): reasoning, message text and function calls. Buffered and
+streamed bodies are built by the same code, so they hold the same items
+with the same ids; a stream announces each item, its text in deltas, and
+the response's end (`response.completed`, or `response.incomplete` when
+``max_output_tokens`` cut it off).
+
+A stored response (``store``, on unless false) is a committed turn of the
+same kind a session's is: kept in a `SessionStore` (the same bounds on
+count, idleness and bytes as sessions), under its own id, with the whole
+conversation it ends: the earlier responses' (through
+``previous_response_id``), this input, and this output. It is kept right
+before its final body or event goes out, never when the client left,
+failed or was refused. ``instructions`` are not carried into later
+responses (OpenAI's rule): each request brings its own."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import attrs
+import trio
+from quart import Response
+
+from trioserve.errors import RequestError
+from trioserve.http import openai
+from trioserve.http.connection import Connection, _entered
+from trioserve.http.errors import HTTPError, error_response, json_response, to_response
+from trioserve.http.schemas import ChatCompletionRequest, _got, _short, parse_chat_request, sampling_params
+from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
+from trioserve.models.output_parser import Delta
+from trioserve.state.session_store import SessionNotFound, SessionStore
+from trioserve.types import FinalEvent
+
+# Chat fields a Responses request may send as they are: OpenAI's own, and
+# this server's sampling extensions (as on /v1/chat/completions).
+PASSED = (
+    "model", "temperature", "top_p", "parallel_tool_calls", "stream", "user",
+    "seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
+)  # fmt: skip
+# Fields accepted and ignored: they ask for nothing this server does differently.
+IGNORED = ("reasoning", "include", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options", "max_tool_calls")
+# Fields refused whenever they ask for something (null, false, 0 or their default ask for nothing).
+REFUSED = {
+    "background": "background responses are not supported; send stream true to read a long response as it comes",
+    "conversation": "conversations are not supported; chain responses with previous_response_id",
+    "prompt": "stored prompt templates are not supported; send instructions and input",
+    "top_logprobs": "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs",
+}
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = {"input_text", "output_text"}
+
+
+def _refuse(field: str, message: str):
+    raise RequestError(f"{field}: {message}", field=field)
+
+
+def _string(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        _refuse(field, f"expected a string, got {_got(value)}")
+    return value
+
+
+# --- the request
+
+
+@attrs.frozen
+class ResponsesRequest:
+    """A Responses request: the chat request it means, its new messages as
+    the template sees them, and what the response object repeats back."""
+
+    chat: ChatCompletionRequest
+    messages: tuple[dict[str, Any], ...]  # the input's, after message_dict
+    instructions: str | None
+    previous_response_id: str | None
+    store: bool
+    metadata: dict[str, str]
+    max_output_tokens: int | None
+    tools: tuple[dict[str, Any], ...]  # as the request sent them, for the echo
+    tool_choice: str | dict[str, Any]
+    text_format: dict[str, Any]
+    truncation: str
+
+
+def _content_text(content: object, at: str, role: str) -> str | None:
+    """A message's content as one string: parts joined by newlines."""
+    if content is None and role == "assistant":
+        return None
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        _refuse(at, f"expected a string or a list of content parts, got {_got(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{at}[{j}]"
+        if not isinstance(part, dict):
+            _refuse(where, f"expected a content part (an object), got {_got(part)}")
+        kind = part.get("type")
+        if kind == "refusal" and role == "assistant":
+            texts.append(_string(part.get("refusal"), f"{where}.refusal"))
+            continue
+        if kind not in TEXT_PARTS:
+            _refuse(f"{where}.type", f"only text parts are supported ('input_text', 'output_text'), got {_got(kind)}")
+        texts.append(_string(part.get("text"), f"{where}.text"))
+    return "\n".join(texts)
+
+
+def _input_messages(value: object) -> tuple[list[dict[str, Any]], list[str]]:
+    """The chat messages an ``input`` means, each with the path it came from."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}], ["input"]
+    if value is None:
+        _refuse("input", "this field is required")
+    if not isinstance(value, list):
+        _refuse("input", f"expected a string or a list of input items, got {_got(value)}")
+    messages: list[dict[str, Any]] = []
+    origins: list[str] = []
+    calls_open = False  # the last message is an assistant message that calls may join
+    for i, item in enumerate(value):
+        at = f"input[{i}]"
+        if not isinstance(item, dict):
+            _refuse(at, f"expected an input item (an object), got {_got(item)}")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                _refuse(f"{at}.role", f"must be one of {', '.join(map(repr, MESSAGE_ROLES))}, got {_got(role)}")
+            messages.append({"role": role, "content": _content_text(item.get("content"), f"{at}.content", role)})
+            origins.append(at)
+            calls_open = role == "assistant"
+        elif kind == "function_call":
+            call = {
+                "id": _string(item.get("call_id"), f"{at}.call_id"),
+                "type": "function",
+                "function": {"name": _string(item.get("name"), f"{at}.name"), "arguments": _string(item.get("arguments"), f"{at}.arguments")},
+            }
+            if calls_open:
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(at)
+                calls_open = True
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _content_text(output, f"{at}.output", "tool")
+            messages.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{at}.call_id"), "content": text})
+            origins.append(at)
+            calls_open = False
+        elif kind == "reasoning":
+            continue  # the model's earlier reasoning: templates show none of it again
+        elif kind == "item_reference":
+            _refuse(f"{at}.type", "item references are not supported; send previous_response_id, or the items themselves")
+        else:
+            _refuse(
+                f"{at}.type",
+                f"{_got(kind)} items are not supported (supported: 'message', 'function_call', 'function_call_output', 'reasoning')",
+            )
+    if not messages:
+        _refuse("input", "must hold at least one message or function call output")
+    return messages, origins
+
+
+def _chat_tools(value: object) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        _refuse("tools", f"expected a list of tools, got {_got(value)}")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            _refuse(f"tools[{i}]", f"expected a tool (an object), got {_got(tool)}")
+        if tool.get("type") != "function":
+            _refuse(f"tools[{i}].type", f"only function tools are supported; {_got(tool.get('type'))} is not one this server has")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}})
+    return out
+
+
+def _chat_tool_choice(value: object) -> str | dict[str, Any] | None:
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": _string(value.get("name"), "tool_choice.name")}}
+    if isinstance(value, dict):
+        _refuse("tool_choice.type", f"only function tools can be chosen, got {_got(value.get('type'))}")
+    _refuse("tool_choice", f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": ...}}, got {_got(value)}")
+
+
+def _response_format(text: object) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(chat's response_format, the text.format to repeat back)."""
+    if text is None:
+        return None, {"type": "text"}
+    if not isinstance(text, dict):
+        _refuse("text", f"expected an object, got {_got(text)}")
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    if not isinstance(fmt, dict):
+        _refuse("text.format", f"expected an object, got {_got(fmt)}")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}, {"type": kind}
+    if kind != "json_schema":
+        _refuse("text.format.type", f"must be one of 'text', 'json_object', 'json_schema', got {_got(kind)}")
+    spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": spec}, {"type": "json_schema", **spec}
+
+
+def _metadata(value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        _refuse("metadata", f"expected an object of strings, got {_got(value)}")
+    if len(value) > 16:
+        _refuse("metadata", f"at most 16 keys are allowed, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64:
+            _refuse("metadata", f"a key may be at most 64 characters, got {_short(key)}")
+        if not isinstance(item, str) or len(item) > 512:
+            _refuse(f"metadata.{key}", f"expected a string of at most 512 characters, got {_got(item)}")
+    return dict(value)
+
+
+# Chat's field paths, as the Responses request names them.
+_RENAMES = (
+    (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+    (re.compile(r"max_tokens"), "max_output_tokens"),  # the scheduler's refusals name the engine's field
+    (re.compile(r"tools(\[\d+\])\.function"), r"tools\1"),
+    (re.compile(r"tool_choice\.function\.name"), "tool_choice.name"),
+    (re.compile(r"response_format\.json_schema"), "text.format"),
+    (re.compile(r"response_format"), "text.format"),
+)
+
+
+def _responses_field(error: RequestError, origins: list[str]) -> RequestError:
+    """A RequestError about the chat request, told in the Responses
+    request's fields: ``messages[2]`` is the input item it came from."""
+    field = error.field
+    if field is None:
+        return error
+    renamed = field
+    found = re.match(r"messages\[(\d+)\]", field)
+    if found is not None:
+        index = int(found.group(1))
+        renamed = (origins[index] if index < len(origins) else "input") + field[found.end():]
+    elif field == "messages":
+        renamed = "input"
+    else:
+        for pattern, name in _RENAMES:
+            if pattern.match(renamed):
+                renamed = pattern.sub(name, renamed, count=1)
+                break
+    if renamed == field:
+        return error
+    message = str(error)
+    message = renamed + message[len(field):] if message.startswith(field) else message
+    if renamed == "max_output_tokens":  # the engine's words for it, inside the message too
+        message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", message)
+    return type(error)(message, field=renamed)  # RequestTooLarge stays one
+
+
+def parse_responses_request(body: object) -> ResponsesRequest:
+    """The Responses request in ``body`` (parsed JSON), or RequestError
+    naming the field in the request's own terms."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field=None)
+    for name, why in REFUSED.items():
+        if body.get(name) not in (None, False, 0, {}):
+            _refuse(name, why)
+    truncation = body.get("truncation") or "disabled"
+    if truncation != "disabled":
+        _refuse("truncation", f"only 'disabled' is supported (a prompt too long for the model is refused, never cut), got {_got(truncation)}")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        _string(instructions, "instructions")
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        _string(previous, "previous_response_id")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        _refuse("store", f"expected true or false, got {_got(store)}")
+    messages, origins = _input_messages(body.get("input"))
+    response_format, text_format = _response_format(body.get("text"))
+    chat: dict[str, Any] = {name: body[name] for name in PASSED if name in body}
+    chat["messages"] = messages
+    for name, value in (
+        ("tools", _chat_tools(body.get("tools"))),
+        ("tool_choice", _chat_tool_choice(body.get("tool_choice"))),
+        ("response_format", response_format),
+        ("max_completion_tokens", body.get("max_output_tokens")),
+    ):
+        if value is not None:
+            chat[name] = value
+    try:
+        request = parse_chat_request(chat)
+    except RequestError as exc:
+        raise _responses_field(exc, origins) from None
+    choice = body.get("tool_choice")
+    return ResponsesRequest(
+        chat=request,
+        messages=tuple(message_dict(m) for m in request.messages),
+        instructions=instructions,
+        previous_response_id=previous,
+        store=store is not False,
+        metadata=_metadata(body.get("metadata")),
+        max_output_tokens=request.max_completion_tokens,
+        tools=tuple(_echo_tool(t) for t in body.get("tools") or ()),
+        tool_choice=choice if choice is not None else "auto",
+        text_format=text_format,
+        truncation=truncation,
+    )
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "description": None, "parameters": None, "strict": None, **tool}
+
+
+# --- the output
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+class OutputItems:
+    """The response's output items, built from the output parser's pieces as
+    they come: each piece either extends the open item (message text,
+    reasoning) or closes it and starts the next. `feed` and `finish` return
+    the stream events that say so (without sequence numbers); the items,
+    finished, are the response's ``output``. Text that is only whitespace
+    waits: it opens a message only if more text follows, or if the reply
+    holds nothing else."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item text is going into
+        self._text: list[str] = []  # the open item's text so far
+        self._waiting = ""  # whitespace not yet in any message
+
+    def _close(self, status: str) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        text = "".join(self._text)
+        self._text = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item.update(status=status, content=[part])
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [
+                {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+                {"type": "response.content_part.done", **where, "part": part},
+                {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
+            ]
+        item.update(content=[{"type": "reasoning_text", "text": text}])
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            {"type": "response.reasoning_text.done", **where, "text": text},
+            {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
+        ]
+
+    def _start(self, item: dict[str, Any]) -> list[dict]:
+        self.items.append(item)
+        self._open = item
+        index = len(self.items) - 1
+        events: list[dict] = [{"type": "response.output_item.added", "output_index": index, "item": dict(item)}]
+        if item["type"] == "message":
+            events.append(
+                {
+                    "type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                }
+            )  # fmt: skip
+        return events
+
+    def _extend(self, kind: str, text: str) -> list[dict]:
+        events: list[dict] = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close("completed")
+            if kind == "message":
+                events += self._start({"id": _item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []})
+            else:
+                events += self._start({"id": _item_id("rs"), "type": "reasoning", "summary": [], "content": []})
+        self._text.append(text)
+        where = {"item_id": self._open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if kind == "message":
+            return events + [{"type": "response.output_text.delta", **where, "delta": text, "logprobs": []}]
+        return events + [{"type": "response.reasoning_text.delta", **where, "delta": text}]
+
+    def feed(self, delta: Delta) -> list[dict]:
+        if delta.tool_call is not None:
+            events = self._close("completed")
+            call = delta.tool_call
+            item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
+            events += self._start(item)
+            self._open = None
+            index = len(self.items) - 1
+            item.update(arguments=call.arguments, status="completed")
+            return events + [
+                {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index, "delta": call.arguments},
+                {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments},
+                {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
+            ]  # fmt: skip
+        if delta.reasoning:
+            return self._extend("reasoning", delta.reasoning)
+        if not delta.content:
+            return []
+        if (self._open is None or self._open["type"] != "message") and not delta.content.strip():
+            self._waiting += delta.content
+            return []
+        text, self._waiting = self._waiting + delta.content, ""
+        return self._extend("message", text)
+
+    def finish(self, status: str) -> list[dict]:
+        """Close what is open (``status`` "incomplete" when the reply was
+        cut off); a reply with no items at all is one message, maybe empty."""
+        events: list[dict] = []
+        if self._waiting and self._open is not None and self._open["type"] == "message":
+            events += self._extend("message", self._waiting)
+        elif not self.items or (self._waiting and not any(item["type"] != "reasoning" for item in self.items)):
+            events += self._extend("message", self._waiting)
+        self._waiting = ""
+        return events + self._close(status)
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message the output is, as a conversation keeps it."""
+        text = "".join(part["text"] for item in self.items if item["type"] == "message" for part in item["content"])
+        kept: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = [item for item in self.items if item["type"] == "function_call"]
+        if calls:
+            kept["tool_calls"] = [{"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        return kept
+
+
+def usage_body(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage object. cache_write_tokens are the prompt
+    tokens computed this time (and so written into the KV cache)."""
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": prompt_tokens - cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+class ResponseJob(Connection):
+    """One Responses request: one choice of the chat request it means,
+    rendered as a response object or its stream of events, and kept in
+    ``store`` when asked (with the whole ``conversation`` it continues)."""
+
+    def __init__(self, state, engine, req: ResponsesRequest, prompt_ids, params, store: SessionStore, history: list[dict[str, Any]]):
+        super().__init__(state, engine, "chat", prompt_ids, params, 1, False, prompt_text="", echo=False)
+        self.id = _item_id("resp")
+        self.request_id = f"{self.id}-0"
+        self.req = req
+        self.store = store
+        self.history = history  # the earlier responses' conversation, then this input
+        self.output = OutputItems()
+        self.sequence = 0
+
+    async def _run_choice(self, index: int, choice: openai.Choice) -> None:
+        async with aclosing(self.engine.generate(self._request(index))) as events:
+            async for event in events:
+                for delta in choice.add(event):
+                    self.output.feed(delta)
+
+    def resource(self, status: str, choice: openai.Choice | None = None, error: dict | None = None) -> dict[str, Any]:
+        """The response object: in progress (no ``choice`` yet), or ended."""
+        req, params = self.req, self.params
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        usage = None
+        if choice is not None and choice.final is not None:
+            final = choice.final
+            usage = usage_body(len(self.prompt_ids), final.usage.completion_tokens, final.usage.cached_tokens, choice.reasoning_tokens)
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "error": error, "incomplete_details": incomplete,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata, "model": self.model,
+            "output": [dict(item) for item in self.output.items] if status != "in_progress" else [],
+            "parallel_tool_calls": req.chat.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": req.store,
+            "temperature": params.temperature, "text": {"format": req.text_format},
+            "tool_choice": req.tool_choice, "tools": list(req.tools), "top_p": params.top_p,
+            "truncation": req.truncation, "usage": usage, "user": req.chat.user,
+        }  # fmt: skip
+
+    def _status(self, choice: openai.Choice) -> str:
+        return "incomplete" if choice.final.finish_reason == "length" else "completed"
+
+    def _kept(self, choice: openai.Choice) -> dict[str, Any]:
+        """The ended response's object, once its output is closed; kept in
+        the store first when asked: the commit point."""
+        body = self.resource(self._status(choice), choice)
+        if self.req.store:
+            self.store.create(
+                trio.current_time(), created=self.created, session_id=self.id,
+                messages=[*self.history, self.output.message()], record=body,
+            )  # fmt: skip
+        return body
+
+    def refusal(self, exc: Exception) -> Response:
+        if isinstance(exc, RequestError):
+            exc = _responses_field(exc, [])
+        return error_response(exc)
+
+    async def collect(self) -> Response:
+        choices = await self.finished_choices()
+        if isinstance(choices, Response):
+            return choices
+        self.output.finish(self._status(choices[0]))
+        return json_response(self._kept(choices[0]))
+
+    def _event(self, payload: dict[str, Any]) -> bytes:
+        payload = {**payload, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {payload['type']}\n".encode() + openai.sse(payload)
+
+    async def _sse(self, first, events, include_usage: bool) -> AsyncIterator[bytes]:
+        """The response's events: created, in progress, each output item as
+        it grows, then completed (or incomplete, or failed)."""
+        async with _entered(first):
+            yield self._event({"type": "response.created", "response": self.resource("in_progress")})
+            yield self._event({"type": "response.in_progress", "response": self.resource("in_progress")})
+            choice = self._choice(0)
+            async for event in events:
+                deltas = choice.add(event)
+                for delta in deltas:
+                    for payload in self.output.feed(delta):
+                        yield self._event(payload)
+                if not isinstance(event, FinalEvent):
+                    continue
+                if event.finish_reason == "error":
+                    _, body, _ = to_response(self.failure(event))
+                    error = {"code": body["error"].get("code") or "server_error", "message": body["error"]["message"]}
+                    self.output.finish("incomplete")
+                    yield self._event({"type": "response.failed", "response": self.resource("failed", choice, error)})
+                    return
+                closing = self.output.finish(self._status(choice))
+                body = self._kept(choice)
+                for payload in closing:
+                    yield self._event(payload)
+                yield self._event({"type": f"response.{body['status']}", "response": body})
+
+
+def add_response_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
+    settings = state.settings
+    store = SessionStore(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes)
+
+    def stored(response_id: str):
+        try:
+            return store.get(response_id, trio.current_time())
+        except SessionNotFound:
+            raise HTTPError(
+                404, f"no response {response_id!r} (unknown, deleted, stored with store false, or evicted)",
+                param="previous_response_id", code="response_not_found",
+            ) from None  # fmt: skip
+
+    @app.route("/v1/responses", methods=["POST"])
+    async def create_response() -> Response:
+        try:
+            engine = state.ready()
+            req = await off_loop(parse_responses_request, await body_reader())
+            check_model(state, req.chat.model)
+            earlier = stored(req.previous_response_id).messages if req.previous_response_id is not None else []
+            history = [*earlier, *req.messages]
+            head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+            chat = req.chat
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, head + history, chat.tools, chat.tool_choice)
+            try:
+                params = sampling_params(chat, default_max_tokens=default_max_tokens(engine, prompt_ids, "input", settings.default_max_tokens))
+                guides = await compile_guides(engine, chat, 1)
+            except RequestError as exc:
+                raise _responses_field(exc, []) from None
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
+            return error_response(exc)
+        job = ResponseJob(state, engine, req, prompt_ids, params, store, history)
+        job.guides = guides
+        state.parsers(job, chat.tools, chat.tool_choice)
+        return await job.respond(chat.stream)
+
+    @app.route("/v1/responses/<response_id>", methods=["GET"])
+    async def read_response(response_id: str) -> Response:
+        try:
+            return json_response(_not_named(stored, response_id).record)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    @app.route("/v1/responses/<response_id>", methods=["DELETE"])
+    async def delete_response(response_id: str) -> Response:
+        try:
+            store.delete(_not_named(stored, response_id).id, trio.current_time())
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    return store
+
+
+def _not_named(stored, response_id: str):
+    """A stored response read by its path: a 404 naming no request field."""
+    try:
+        return stored(response_id)
+    except HTTPError as exc:
+        exc.param = None
+        raise
