@@ -6,7 +6,11 @@ inter-token latency from the client's side.
     .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000 \\
         [--model ID] [--concurrency 1 --concurrency 8 ...] [--requests R] \\
         [--prompt-tokens 128] [--max-tokens 128] [--api-key KEY] \\
-        [--timeout 600] [--seed 0]
+        [--timeout 600] [--seed 0] [--route chat|responses]
+
+With ``--route responses`` the same requests go to POST /v1/responses
+(``input``, ``max_output_tokens``, ``store: false``); text is read from its
+``response.output_text.delta`` events and usage from ``response.completed``.
 
 Each level keeps exactly N requests in flight (N workers pulling request
 numbers from an unbuffered channel) until R requests (default 2N) have run.
@@ -127,8 +131,28 @@ class Result:
         return self.completion_tokens if self.completion_tokens is not None else self.chunks
 
 
+RESPONSES_TEXT_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta")
+RESPONSES_END_EVENTS = ("response.completed", "response.incomplete")
+
+
+def _usage(obj: dict) -> dict | None:
+    """The usage a chunk reports, in chat's names: a chat chunk's own, or
+    the response's in a Responses API end event."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        return usage
+    response = obj.get("response") if obj.get("type") in RESPONSES_END_EVENTS else None
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    return {"completion_tokens": usage.get("output_tokens"), "prompt_tokens": usage.get("input_tokens")}
+
+
 def _chunk_text(obj: dict) -> str:
-    """Generated text in one streamed chat chunk (all choices)."""
+    """Generated text in one streamed chat chunk (all choices), or in one
+    Responses API event (its text and reasoning deltas)."""
+    if obj.get("type") in RESPONSES_TEXT_EVENTS:
+        return obj.get("delta") if isinstance(obj.get("delta"), str) else ""
     text = ""
     for choice in obj.get("choices") or []:
         delta = choice.get("delta") or {}
@@ -162,7 +186,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, timeout: 
                     data = line[len("data:"):].strip()
                     if data == "[DONE]":
                         done = True
-                        break
+                        continue  # read on to the body's end: a generator left half read warns when collected
                     try:
                         obj = json.loads(data)
                     except json.JSONDecodeError:
@@ -170,14 +194,16 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, timeout: 
                         return res
                     if not isinstance(obj, dict):
                         continue
+                    if obj.get("type") == "response.failed":
+                        obj = {"error": (obj.get("response") or {}).get("error") or "response.failed"}
                     if obj.get("error") is not None:
                         err = obj["error"]
                         msg = err.get("message", err) if isinstance(err, dict) else err
                         res.error = f"error event: {str(msg)[:ERROR_SNIPPET]}"
                         return res
-                    if any((c or {}).get("finish_reason") for c in obj.get("choices") or []):
-                        done = True  # some servers end the stream without [DONE]
-                    usage = obj.get("usage")
+                    if any((c or {}).get("finish_reason") for c in obj.get("choices") or []) or obj.get("type") in RESPONSES_END_EVENTS:
+                        done = True  # some servers end the stream without [DONE]; a Responses stream never sends it
+                    usage = _usage(obj)
                     if isinstance(usage, dict):
                         if isinstance(usage.get("completion_tokens"), int):
                             res.completion_tokens = usage["completion_tokens"]
@@ -256,7 +282,8 @@ async def run_level(client: httpx.AsyncClient, args, model: str, run_id: str, co
     total = args.requests if args.requests is not None else 2 * concurrency
     rng = random.Random(f"{args.seed}-{concurrency}")
     prompts = [build_prompt(rng, run_id, concurrency, i, args.prompt_tokens) for i in range(total)]
-    url = args.api + "/chat/completions"
+    route = getattr(args, "route", "chat")
+    url = args.api + ("/responses" if route == "responses" else "/chat/completions")
     results: list[Result] = []
     sent = 0
 
@@ -270,15 +297,21 @@ async def run_level(client: httpx.AsyncClient, args, model: str, run_id: str, co
     async def worker(receive: trio.MemoryReceiveChannel) -> None:
         async with receive:
             async for i in receive:
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompts[i]}],
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                    "ignore_eos": True,
-                }
+                if route == "responses":  # the same request in the Responses API's terms, kept nowhere
+                    body = {
+                        "model": model, "input": prompts[i], "max_output_tokens": args.max_tokens, "temperature": 0,
+                        "stream": True, "store": False, "ignore_eos": True,
+                    }  # fmt: skip
+                else:
+                    body = {
+                        "model": model,
+                        "messages": [{"role": "user", "content": prompts[i]}],
+                        "max_tokens": args.max_tokens,
+                        "temperature": 0,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                        "ignore_eos": True,
+                    }
                 results.append(await one_request(client, url, body, args.timeout))
 
     # Each worker runs at most ceil(total / concurrency) requests, each bounded
@@ -406,6 +439,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompts' filler words (default 0)")
+    p.add_argument("--route", choices=("chat", "responses"), default="chat",
+                   help="stream chat completions (default) or the same requests through POST /v1/responses")
     args = p.parse_args(argv)
     args.api = normalize_base_url(args.base_url)
     return args

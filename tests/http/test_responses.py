@@ -331,3 +331,23 @@ def test_output_items_follow_the_parsers_pieces_in_order():
     empty = OutputItems()
     empty.finish("completed")
     assert [(i["type"], i["content"][0]["text"]) for i in empty.items] == [("message", "")]
+
+
+async def test_the_load_generator_reads_responses_streams_as_chat_ones(server):
+    """bench/serve.py --route responses counts the same tokens, from the
+    Responses events, as the chat route does (bench/responses.py compares
+    the two)."""
+    from types import SimpleNamespace
+
+    from bench.serve import run_level
+
+    levels = {}
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            for route in ("chat", "responses"):
+                load = SimpleNamespace(api=server + "/v1", seed=0, prompt_tokens=16, max_tokens=6, requests=3, timeout=30.0, route=route)
+                levels[route] = await run_level(client, load, MODEL_NAME, "t", 2)
+    for route, level in levels.items():
+        assert level.errors == 0, (route, [r.error for r in level.results])
+        assert [r.output_tokens for r in level.ok] == [6, 6, 6] and all(r.ttft is not None and len(r.gaps) >= 1 for r in level.ok), route
+    assert sorted(r.prompt_tokens for r in levels["responses"].ok) == sorted(r.prompt_tokens for r in levels["chat"].ok)  # done in any order
