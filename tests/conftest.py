@@ -3,7 +3,18 @@ tests/tiny_model.py, written once per session in every checkpoint format."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The Triton kernels (trioserve/kernels/gpu) run under Triton's
+# interpreter on a machine without a GPU. The variable is read when a kernel
+# module is imported, so it is set here, before any test module loads.
+# TRITON_INTERPRET=0 in the environment runs them natively (bench/gpu_check.sh).
+if not os.environ.get("TRITON_INTERPRET"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
