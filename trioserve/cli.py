@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, SPECULATIVE_MODES, EngineConfig, batch_invariant_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import DTYPE_NAMES, EMBEDDING_POOLING, SPECULATIVE_MODES, EngineConfig, batch_invariant_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         "outputs are unchanged (default off)",
     )
     srv.add_argument("--speculative-tokens", type=_positive_int, default=4, help="most draft tokens per sequence and step (default 4)")
+    srv.add_argument(
+        "--embedding-pooling",
+        choices=EMBEDDING_POOLING,
+        default=EMBEDDING_POOLING[0],
+        help=f"how /v1/embeddings pools an input's final hidden states: the mean over its tokens, or its last token's "
+        f"(default {EMBEDDING_POOLING[0]})",
+    )
     srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV blocks between requests with the same prompt prefix")
     srv.add_argument("--prefix-cache-max-blocks", type=_positive_int, default=None, help="most KV blocks the prefix cache keeps (default: as many as fit)")
     srv.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, help="most KV memory the prefix cache keeps for idle blocks, e.g. 64MiB (default: as much as fits)")
@@ -278,6 +285,7 @@ def _serve(args: argparse.Namespace) -> int:
         batch_invariant=batch_invariant_setting(args.batch_invariant, dict(os.environ)),
         speculative=args.speculative,
         speculative_tokens=args.speculative_tokens,
+        embedding_pooling=args.embedding_pooling,
     )
     settings = ServerSettings(
         engine=engine,

@@ -24,6 +24,7 @@ def _seconds(instance, attribute, value) -> None:
 
 
 SPECULATIVE_MODES = ("off", "ngram")
+EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 
 
 @attrs.frozen
@@ -45,7 +46,9 @@ class EngineConfig:
     input to the engine core, for `trioserve replay` (docs/replay.md).
     batch_invariant: a request's logits are bit-identical whatever else
     shares its steps and however its prompt is chunked (docs/determinism.md);
-    off runs the faster batch-dependent arithmetic."""
+    off runs the faster batch-dependent arithmetic.
+    embedding_pooling: how /v1/embeddings pools a prompt's final hidden
+    states: "mean" over its tokens, or its "last" token's (docs/embeddings.md)."""
 
     model: str = "smollm2"
     dtype: str = "auto"
@@ -69,6 +72,7 @@ class EngineConfig:
     # speculative_tokens tokens, checked in the same step; outputs unchanged).
     speculative: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
     speculative_tokens: int = attrs.field(default=4, validator=_positive)
+    embedding_pooling: str = attrs.field(default=EMBEDDING_POOLING[0], validator=attrs.validators.in_(EMBEDDING_POOLING))
 
     @property
     def draft_tokens(self) -> int:
@@ -196,6 +200,12 @@ def _speculative(text: str) -> str:
     return text
 
 
+def _pooling(text: str) -> str:
+    if text not in EMBEDDING_POOLING:
+        raise ValueError(f"must be one of {', '.join(EMBEDDING_POOLING)}, got {text!r}")
+    return text
+
+
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
 _ENV = {
     "TRIOSERVE_MODEL": ("engine.model", str),
@@ -214,6 +224,7 @@ _ENV = {
     "TRIOSERVE_BATCH_INVARIANT": ("engine.batch_invariant", _flag),
     "TRIOSERVE_SPECULATIVE": ("engine.speculative", _speculative),
     "TRIOSERVE_SPECULATIVE_TOKENS": ("engine.speculative_tokens", int),
+    "TRIOSERVE_EMBEDDING_POOLING": ("engine.embedding_pooling", _pooling),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),

@@ -36,7 +36,7 @@ from trioserve.models.sampling import new_seed
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import blocks_for_budget
 from trioserve.state.stats import EngineStats
-from trioserve.types import Event, FinalEvent, GenerateRequest
+from trioserve.types import Event, FinalEvent, GenerateRequest, SamplingParams
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 assert tuple(DTYPES) == DTYPE_NAMES
@@ -53,10 +53,12 @@ class Engine:
         scheduler: Scheduler,
         inbox: trio.MemorySendChannel[SchedulerMessage],
         guides: GuideCompiler,
+        hidden_size: int = 0,
     ):
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.hidden_size = hidden_size  # the length of the vectors `embed` gives
         self._scheduler = scheduler
         self._inbox = inbox
         self.guides = guides  # compiles output constraints (guided decoding)
@@ -90,6 +92,23 @@ class Engine:
         does the same without awaiting anything, for callers that cannot
         (a response body that never started)."""
         return Generation(self, request)
+
+    async def embed(self, prompt_ids, *, request_id: str | None = None) -> FinalEvent:
+        """Embed one prompt: an embedding request (GenerateRequest.pooling,
+        config.embedding_pooling) through the same scheduler as generation.
+        Returns its FinalEvent: finish_reason "stop" with the vector in
+        ``embedding``, or "error" with the cause. Raises on submission as
+        `open_generation` does; cancelled, the request is cancelled and its
+        blocks freed within one step."""
+        request = GenerateRequest(
+            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0, seed=0), request_id=request_id, pooling=self.config.embedding_pooling
+        )
+        final = None
+        async with self.open_generation(request) as events:
+            async for event in events:  # the one event is the FinalEvent
+                final = event
+        assert isinstance(final, FinalEvent), final
+        return final
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """`open_generation` as one async generator: submit, then yield every
@@ -259,7 +278,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
             await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides, device)
             await nursery.start(run_worker, model, cache, worker_recv, sampler_send, device)
             await nursery.start(run_scheduler, scheduler, inbox_recv)
-            engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides)
+            engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size)
             engine.trace_path = None if writer is None else writer.path
             try:
                 yield engine

@@ -25,6 +25,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_BYTES = 2048  # UTF-8 bytes in all of a request's stop strings
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
+# How an embedding request pools its prompt's final hidden states
+# (GenerateRequest.pooling): the last token's, or the mean over all of them.
+POOLING_MODES = ("last", "mean")
 
 
 @attrs.frozen
@@ -180,7 +183,11 @@ class GenerateRequest:
     """draw_start: the first draw index of this request's random stream; a
     session's turn continues where its last committed turn stopped.
     retain: an owner (a session id) for whom the finished request's KV is
-    held until the owner settles it (commit or cancel)."""
+    held until the owner settles it (commit or cancel).
+    pooling: set ("last" or "mean", POOLING_MODES), this is an embedding
+    request: its prompt is prefilled like any other, nothing is generated,
+    and its FinalEvent carries the pooled, L2-normalised final hidden state
+    (``params`` then only needs to be valid; state/pooling.py)."""
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     params: SamplingParams = SamplingParams()
@@ -188,6 +195,7 @@ class GenerateRequest:
     draw_start: int = 0
     retain: str | None = None
     guide: Guide | None = attrs.field(default=None, eq=False)  # this request's own output constraint
+    pooling: str | None = None
 
 
 # -- one step: its plan and its result -------------------------------------
@@ -213,7 +221,9 @@ class PlanRow:
     start, start + 1, ...; ``block_table`` covers every position up to
     their end. ``sample`` is set when this row's logits pick a token (its
     chunk reaches the end of what the sequence holds); ``guide`` is its
-    output constraint then, if any."""
+    output constraint then, if any. ``pool`` > 0 (an embedding request's
+    prefill chunk): the final hidden states of this row's last ``pool``
+    tokens are summed into the step's result (StepResult.pooled)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -222,6 +232,7 @@ class PlanRow:
     decode: bool
     sample: SampleRow | None = None
     guide: Guide | None = attrs.field(default=None, eq=False)
+    pool: int = 0
 
 
 @attrs.frozen
@@ -234,6 +245,10 @@ class StepPlan:
     @property
     def sampling(self) -> tuple[PlanRow, ...]:
         return tuple(r for r in self.rows if r.sample is not None)
+
+    @property
+    def pooling(self) -> tuple[PlanRow, ...]:
+        return tuple(r for r in self.rows if r.pool > 0)
 
 
 @attrs.frozen
@@ -253,13 +268,17 @@ class StepResult:
     - ``refused``: the step did not run (nothing was written): its rows fail;
     - ``fatal``: the step may have half-run: the engine is dead;
     - ``failed``: the forward pass ran but choosing tokens failed (a
-      constraint or sampling error): the sampling rows fail."""
+      constraint or sampling error): the sampling rows fail.
+    Beside ``sampled`` or ``failed`` (the forward pass ran), ``pooled``
+    holds, for each pooling row of the plan (PlanRow.pool), in order, the
+    sum of its pooled hidden states in fixed point (state/pooling.py)."""
 
     step: int
     sampled: tuple[tuple[Sampled, ...], ...] = ()
     refused: str | None = None
     fatal: str | None = None
     failed: str | None = None
+    pooled: tuple[tuple[int, ...], ...] = ()
 
 
 # -- what a request's consumer receives --------------------------------------
@@ -305,6 +324,7 @@ class FinalEvent:
     error: str | None = None
     timings: Timings | None = None
     draw_end: int = 0  # the next unused draw index of the request's stream
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector (float32 values), when it ends with "stop"
 
 
 Event = TokenEvent | FinalEvent

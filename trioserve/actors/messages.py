@@ -48,6 +48,7 @@ class SampleRequest:
     plan: StepPlan
     logits: torch.Tensor  # [sampling rows, vocab or more] fp32
     reply: trio.MemorySendChannel[StepResult]
+    pooled: tuple[tuple[int, ...], ...] = ()  # the step's pooling rows' sums, passed on in the result
 
 
 def deliver(channel: trio.MemorySendChannel, message) -> bool:

@@ -96,4 +96,6 @@ async def run_sampler(
     async with inbox:
         async for request in inbox:
             result = await run_blocking(device, sample_step, request.plan, request.logits, vocab_size, guides)
+            if request.pooled:  # the forward pass ran, so its pooled sums hold whatever sampling gave
+                result = attrs.evolve(result, pooled=request.pooled)
             deliver(request.reply, result)  # False: the scheduler stopped waiting

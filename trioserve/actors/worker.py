@@ -11,12 +11,14 @@ from __future__ import annotations
 import ctypes
 import time
 
+import attrs
 import torch
 import trio
 
 from trioserve.actors.device import DeviceThread, run_blocking
 from trioserve.actors.messages import SampleRequest, StepRequest, deliver
 from trioserve.models.step import SeqChunk, build_step
+from trioserve.state.pooling import FRACTION_BITS, LIMIT
 from trioserve.types import StepPlan, StepResult
 
 
@@ -69,6 +71,16 @@ def _malloc_trim():
     return trim
 
 
+@attrs.frozen
+class StepOutput:
+    """What a forward pass gave: the logits of the plan's sampling rows, in
+    order ([rows, vocab] fp32 on the CPU; None when nothing samples), and
+    the fixed-point sums of its pooling rows (StepResult.pooled)."""
+
+    logits: torch.Tensor | None
+    pooled: tuple[tuple[int, ...], ...] = ()
+
+
 def step_chunks(plan: StepPlan) -> tuple[list[SeqChunk], list[int]]:
     """The model's chunks for ``plan`` and, in the order of the plan's
     sampling rows, the chunks whose logits are sampled. A row with a
@@ -88,21 +100,58 @@ def step_chunks(plan: StepPlan) -> tuple[list[SeqChunk], list[int]]:
     return chunks, index
 
 
-def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | torch.Tensor:
+def pooled_rows(plan: StepPlan, chunks: list[SeqChunk]) -> tuple[list[int], list[int]]:
+    """For the plan's pooling rows, in order: the packed positions of the
+    tokens each pools (the last ``pool`` tokens of its chunk: a pooling row
+    is a prompt chunk, so one chunk), concatenated, and how many each has."""
+    positions: list[int] = []
+    counts: list[int] = []
+    k = at = 0  # the row's first chunk (step_chunks' order), and that chunk's packed position
+    for r in plan.rows:
+        became = chunks[k : k + (len(r.token_ids) if r.sample is not None and r.sample.draft else 1)]
+        if r.pool:
+            end = at + len(became[0].token_ids)
+            positions.extend(range(end - r.pool, end))
+            counts.append(r.pool)
+        k += len(became)
+        at += sum(len(c.token_ids) for c in became)
+    return positions, counts
+
+
+def fixed_point_sums(hidden: torch.Tensor, counts: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The rows of ``hidden`` (fp32), consecutive groups of ``counts``, each
+    group summed in fixed point (state/pooling.py): exact, so a group's sum
+    does not depend on how its prompt was cut into chunks."""
+    scaled = torch.nan_to_num(hidden.double(), nan=0.0) * float(1 << FRACTION_BITS)  # exact
+    fixed = scaled.round().clamp(-LIMIT, LIMIT).to(torch.int64)
+    out = []
+    for part in fixed.split(counts):
+        out.append(tuple(part.sum(0).tolist()))
+    return tuple(out)
+
+
+def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | StepOutput:
     """The blocking part, run in the worker thread: the logits of the
-    plan's sampling rows ([rows, vocab] fp32 on the CPU), or the StepResult
-    that says why there are none."""
+    plan's sampling rows and the sums of its pooling rows, or the
+    StepResult that says why there are none."""
     try:
         chunks, index = step_chunks(plan)
         batch = build_step(chunks, block_size, model.device, fixed=model.batch_invariant)
         if int(batch.positions.max()) >= model.config.max_position:
             raise StepRefused(f"position {int(batch.positions.max())} is past the model's context")
+        pooled_at, counts = pooled_rows(plan, chunks) if plan.pooling else ([], [])
     except (ValueError, StepRefused) as exc:
         return StepResult(plan.number, refused=str(exc))
     try:
-        logits = model.forward(batch, cache)
-        wanted = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
-        return wanted.float().cpu()
+        if not counts:  # the plain step: every sequence's logits, the sampling rows' kept
+            logits = model.forward(batch, cache)
+            wanted = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+            return StepOutput(wanted.float().cpu() if index else None)
+        # Only the sampling rows go through the head: an embedding wants none.
+        device = batch.last_index.device
+        heads = batch.last_index.index_select(0, torch.tensor(index, dtype=torch.long, device=device))
+        logits, hidden = model.forward_hidden(batch, cache, heads, torch.tensor(pooled_at, dtype=torch.long, device=device))
+        return StepOutput(None if logits is None else logits.float().cpu(), fixed_point_sums(hidden.cpu(), counts))
     except StepRefused as exc:
         return StepResult(plan.number, refused=str(exc))
     except Exception as exc:  # noqa: BLE001 - any fault mid-step may have half-written the cache
@@ -134,8 +183,8 @@ async def run_worker(
             if isinstance(out, StepResult):
                 deliver(request.reply, out)  # False: the scheduler stopped waiting
             elif not plan.sampling:
-                deliver(request.reply, StepResult(plan.number))
+                deliver(request.reply, StepResult(plan.number, pooled=out.pooled))
             else:
-                await sampler.send(SampleRequest(plan, out, request.reply))
+                await sampler.send(SampleRequest(plan, out.logits, request.reply, out.pooled))
             if trimmer.due():  # while the sampler works on this step's logits
                 await trio.to_thread.run_sync(trimmer.trim)

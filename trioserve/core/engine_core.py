@@ -11,6 +11,12 @@ run recordable at this one boundary and replayable without the model
 (core/trace.py, core/replay.py). The scheduler actor is a thin shell that
 feeds it; seeds are resolved before a request reaches it.
 
+An embedding request (GenerateRequest.pooling) is prefilled like any
+prompt; the worker returns its chunks' pooled hidden states as fixed-point
+sums (StepResult.pooled), which the core adds up, and when the prompt is all
+prefilled the request ends with its vector in the FinalEvent
+(state/pooling.py). Nothing about it is sampled.
+
 Contract: at most one plan is in flight. `plan` refuses to run while one
 is; `result` must name the plan in flight. Inputs that arrive while a step
 runs (submissions, cancellations, orders) are taken at once; cancellations
@@ -23,6 +29,7 @@ import attrs
 from trioserve.errors import EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
 from trioserve.models.tokenizer import Tokenizer
+from trioserve.state.pooling import add_sums, embedding
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.prefix_cache import PrefixCache
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
@@ -30,6 +37,7 @@ from trioserve.state.sequence import Sequence
 from trioserve.state.stats import EngineStats, StatsRecorder
 from trioserve.state.stops import StopMatcher
 from trioserve.types import (
+    POOLING_MODES,
     Event,
     FinalEvent,
     GenerateRequest,
@@ -62,6 +70,11 @@ def check_request(request: GenerateRequest, vocab_size: int) -> None:
         raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", field="prompt")
     if not (isinstance(request.draw_start, int) and request.draw_start >= 0):
         raise RequestError(f"draw_start must be a whole number of at least 0, got {request.draw_start!r}", field="draw_start")
+    if request.pooling is not None:
+        if request.pooling not in POOLING_MODES:
+            raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {request.pooling!r}", field="pooling")
+        if request.retain is not None or request.guide is not None:
+            raise RequestError("an embedding request generates nothing: it takes no retain owner and no output constraint", field="pooling")
     try:
         request.params.validate(vocab_size)
     except SamplingError as exc:
@@ -200,16 +213,19 @@ class EngineCore:
         rows = flight.rows
         if result.refused is not None:
             return [self._fail(r.seq, f"the step was refused: {result.refused}") for r in rows]
+        pooling = [r for r in rows if r.pool]
+        if len(result.pooled) != len(pooling):
+            raise CoreMisuse(f"step {result.step} has {len(pooling)} pooling rows but its result has {len(result.pooled)}")
         self.policy.stepped(rows)
         self.stats.steps += 1
         self.stats.last_batch = len(rows)
         self.stats.prompt_tokens += sum(max(0, min(len(r.seq.prompt_ids), r.start + len(r.tokens)) - r.start) for r in rows)
+        events: list[Event] = self._pool(rows, pooling, result.pooled)
         sampling = [r for r in rows if r.samples]
         if result.failed is not None:
-            return [self._fail(r.seq, result.failed) for r in sampling]
+            return events + [self._fail(r.seq, result.failed) for r in sampling]
         if len(result.sampled) != len(sampling):
             raise CoreMisuse(f"step {result.step} has {len(sampling)} sampling rows but its result has {len(result.sampled)}")
-        events: list[Event] = []
         for row, tokens in zip(sampling, result.sampled, strict=True):
             if row.draft:  # the tokens after the first were drafted, and right
                 kept = min(len(tokens) - 1, len(row.draft))
@@ -271,6 +287,7 @@ class EngineCore:
             arrival=now,
             retain=request.retain,
             guide=request.guide,
+            pooling=request.pooling,
         )
 
     def _plan_row(self, row: PlannedRow) -> PlanRow:
@@ -287,7 +304,26 @@ class EngineCore:
             row.decode,
             sample,
             seq.guide if sample is not None else None,
+            row.pool,
         )
+
+    def _pool(self, rows: list[PlannedRow], pooling: list[PlannedRow], pooled) -> list[Event]:
+        """Add each pooling row's sums to its request; end the embedding
+        requests whose prompt is now all prefilled, with their vectors."""
+        for row, sums in zip(pooling, pooled, strict=True):
+            try:
+                row.seq.pool_sums = add_sums(row.seq.pool_sums, sums)
+            except ValueError as exc:
+                raise CoreMisuse(f"request {row.seq.id}: {exc}") from None
+            row.seq.pooled_rows += row.pool
+        events: list[Event] = []
+        for row in rows:
+            seq = row.seq
+            if seq.pooling is not None and seq.num_cached >= len(seq.prompt_ids):
+                vector = embedding(seq.pool_sums or (), seq.pooled_rows)
+                self.policy.finish(seq, "stop")
+                events.append(self._final(seq, "stop", vector=vector))
+        return events
 
     def _commit(self, seq: Sequence, sampled, now: float, events: list[Event]) -> bool:
         """Take one sampled token; True when the request ended with it."""
@@ -320,7 +356,7 @@ class EngineCore:
             self.policy.finish(seq, "error")
         return self._final(seq, "error", error=error)
 
-    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None) -> FinalEvent:
+    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None, vector=None) -> FinalEvent:
         now = self._now
         self.stats.end_to_end.add(now - seq.arrival)
         self.stats.finished[reason] += 1
@@ -330,4 +366,5 @@ class EngineCore:
             total_s=now - seq.arrival,
         )
         del self.seqs[seq.id]
-        return FinalEvent(seq.id, reason, Usage(len(seq.prompt_ids), seq.generated, seq.cached_prompt), seq.seed, text, error, timings, seq.draw_index)
+        usage = Usage(len(seq.prompt_ids), seq.generated, seq.cached_prompt)
+        return FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings, seq.draw_index, vector)

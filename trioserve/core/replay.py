@@ -274,8 +274,8 @@ def model_runner(head: dict, source) -> StepRunner:
         if isinstance(out, StepResult):
             return out
         if not plan.sampling:
-            return StepResult(plan.number)
-        return sample_step(plan, out, vocab, guides)
+            return StepResult(plan.number, pooled=out.pooled)
+        return attrs.evolve(sample_step(plan, out.logits, vocab, guides), pooled=out.pooled)
 
     return run
 

@@ -13,6 +13,10 @@ made, with the time its caller read and what the core returned:
     {"in": "result", "now": 12.72, "result": {"step": 3, "sampled": [...]}, "out": {"events": [...]}}
     {"in": "die", "now": 13.0, "cause": "...", "out": {"events": [...]}}
 
+An embedding request's submission carries "pooling"; a step's result
+carries "pooled" (its pooling rows' fixed-point sums, exact integers), and
+the request's final event its "embedding", so replays check those too.
+
 Because the core is deterministic, feeding the same inputs to a fresh core
 gives the same outputs (core/replay.py checks it, byte for byte), and
 re-running each planned step on the model must give the recorded result.
@@ -85,13 +89,16 @@ def request_json(request: GenerateRequest) -> dict:
     if request.guide is not None:
         spec = request.guide.spec
         guide = {"kind": spec.kind, "spec": list(spec.spec) if isinstance(spec.spec, tuple) else spec.spec, "field": spec.field}
-    return {
+    out = {
         "prompt_ids": list(request.prompt_ids),
         "params": params_json(request.params),
         "draw_start": request.draw_start,
         "retain": request.retain,
         "guide": guide,
     }
+    if request.pooling is not None:  # an embedding request (absent otherwise, as before it existed)
+        out["pooling"] = request.pooling
+    return out
 
 
 def request_from_json(data: dict, compile_guide: Callable[[dict], Any]) -> GenerateRequest:
@@ -102,6 +109,7 @@ def request_from_json(data: dict, compile_guide: Callable[[dict], Any]) -> Gener
         draw_start=data["draw_start"],
         retain=data["retain"],
         guide=guide,
+        pooling=data.get("pooling"),
     )
 
 
@@ -114,7 +122,7 @@ def refusal_json(refusal: BaseException | None) -> dict | None:
 def event_json(event: Event) -> dict:
     if isinstance(event, FinalEvent):
         t = event.timings
-        return {
+        out = {
             "final": event.request_id,
             "reason": event.finish_reason,
             "prompt_tokens": event.usage.prompt_tokens,
@@ -125,6 +133,9 @@ def event_json(event: Event) -> dict:
             "draw_end": event.draw_end,
             "timings": None if t is None else [t.queue_s, t.ttft_s, t.total_s],
         }
+        if event.embedding is not None:
+            out["embedding"] = list(event.embedding)
+        return out
     return {
         "token": event.request_id,
         "id": event.token_id,
@@ -154,6 +165,8 @@ def result_json(result: StepResult) -> dict:
         value = getattr(result, field)
         if value is not None:
             out[field] = value
+    if result.pooled:
+        out["pooled"] = [list(row) for row in result.pooled]
     return out
 
 
@@ -162,7 +175,8 @@ def result_from_json(data: dict) -> StepResult:
         tuple(Sampled(int(tok), int(draws), logprob, tuple((int(i), float(lp)) for i, lp in top)) for tok, draws, logprob, top in row)
         for row in data.get("sampled", ())
     )
-    return StepResult(data["step"], sampled, data.get("refused"), data.get("fatal"), data.get("failed"))
+    pooled = tuple(tuple(int(x) for x in row) for row in data.get("pooled", ()))
+    return StepResult(data["step"], sampled, data.get("refused"), data.get("fatal"), data.get("failed"), pooled)
 
 
 def events_json(events: list[Event]) -> list[dict]:

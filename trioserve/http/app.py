@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import trio
@@ -25,6 +26,7 @@ from trioserve.config import ServerSettings, settings_from_env
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
+from trioserve.http.embeddings import add_embedding_routes
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import check_json_body, parse_chat_request, parse_completion_request, sampling_params, tools_offered
 from trioserve.http.responses import add_response_routes
@@ -66,7 +68,7 @@ class ServerState:
         anything to split out: tool calls (tools offered) or reasoning."""
         calls = tools_offered(tools, choice)
         if calls or self.reasoning:
-            suffix = job.id.rsplit("-", 1)[-1][:12]
+            suffix = re.split("[-_]", job.id)[-1][:12]  # the id's random part (chatcmpl-..., resp_...)
             job.parser_factory = lambda i: OutputParser(tools=calls, reasoning=self.reasoning, call_id_prefix=f"call_{suffix}{i}")
 
     def ready(self) -> Engine:
@@ -266,6 +268,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     state.sessions = add_session_routes(
         app, state, lambda: _body(settings.max_body_bytes), _default_max_tokens, _check_model
     )
+    add_embedding_routes(app, state, lambda: _body(settings.max_body_bytes), _check_model)
     state.responses = add_response_routes(app, state, lambda: _body(settings.max_body_bytes), _default_max_tokens, _check_model)
     return app
 

@@ -173,6 +173,32 @@ class LlamaModel:
     def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into ``cache`` and return
         the logits of each sequence's last new token, [S, vocab] in fp32."""
+        h = self._residual(batch, cache)
+        return self._head(self._rms_norm(h.index_select(0, batch.last_index), self.norm))
+
+    @torch.inference_mode()
+    def forward_hidden(
+        self, batch: StepBatch, cache: KVCache, logit_rows: torch.Tensor, hidden_rows: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run one step like `forward`, and return the logits of the packed
+        tokens ``logit_rows`` ([K, vocab] fp32; None when K is 0) and the
+        final hidden states of the packed tokens ``hidden_rows``, after the
+        last RMSNorm, uncast ([P, hidden] fp32). Every row of either is
+        computed from that row alone (the norm and the head are per row)."""
+        h = self._residual(batch, cache)
+        logits = None
+        if logit_rows.numel():
+            logits = self._head(self._rms_norm(h.index_select(0, logit_rows), self.norm))
+        picked = h.index_select(0, hidden_rows).contiguous()
+        if self.native:
+            hidden = native.rms_norm(picked, self.norm, self.config.rms_eps, torch.float32, checked=False)
+        else:
+            hidden = ops.rms_norm(picked, self.norm, self.config.rms_eps)
+        return logits, hidden
+
+    def _residual(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """The step's layers: K/V written into ``cache``, and the fp32
+        residual stream after the last layer, [T_padded, hidden]."""
         c = self.config
         if int(batch.positions.max()) >= c.max_position:
             raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
@@ -227,7 +253,7 @@ class LlamaModel:
                 x = self._add_rms_norm(h, down, self.layers[i + 1].attn_norm)
             else:
                 h.add_(down)
-        return self._head(self._rms_norm(h.index_select(0, batch.last_index), self.norm))
+        return h
 
     def _add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``h += delta`` (the fp32 residual stream, in place), then h normed

@@ -19,7 +19,13 @@ Rules:
   long prompt delays decoding rows by at most one chunk per step.
 - With speculative decoding (``draft_tokens``), a decode row also carries a
   guess at the tokens after its next one (state/ngram.py); the step checks
-  them, and only what the model would have generated anyway is kept."""
+  them, and only what the model would have generated anyway is kept.
+- An embedding request (``Sequence.pooling``) is a prompt and nothing more:
+  it reserves blocks for its prompt only, is prefilled in chunks like any
+  prompt, and ends when its prefill does. It neither looks its prompt up in
+  the prefix cache (a hit would skip the very hidden states it pools) nor
+  leaves its blocks there (embedding inputs are rarely chat prefixes, and
+  they would push those out)."""
 
 from __future__ import annotations
 
@@ -59,8 +65,19 @@ class PlannedRow:
 
     @property
     def samples(self) -> bool:
-        """Whether this row's logits pick a token: its chunk reaches the end."""
-        return self.start + len(self.tokens) - len(self.draft) == self.seq.num_tokens
+        """Whether this row's logits pick a token: its chunk reaches the end
+        (never for an embedding request)."""
+        return self.seq.pooling is None and self.start + len(self.tokens) - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def pool(self) -> int:
+        """How many of this row's last tokens an embedding request pools:
+        all of them for "mean", the prompt's last one for "last"."""
+        if self.seq.pooling == "mean":
+            return len(self.tokens)
+        if self.seq.pooling == "last" and self.start + len(self.tokens) == len(self.seq.prompt_ids):
+            return 1
+        return 0
 
 
 class SchedulingPolicy:
@@ -118,25 +135,21 @@ class SchedulingPolicy:
 
     # -- intake ----------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        """Refuse at once a request that no amount of waiting would admit."""
+        """Refuse at once a request that no amount of waiting would admit
+        (``max_tokens`` 0: an embedding request, a prompt alone)."""
         total = prompt_len + max_tokens
+        what, field = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens", "max_tokens"
+        if max_tokens == 0:
+            what, field = f"the prompt ({prompt_len} tokens)", "prompt"
         if total > self.max_model_len:
-            raise RequestTooLarge(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"exceeds the maximum model length of {self.max_model_len}",
-                field="max_tokens",
-            )
+            raise RequestTooLarge(f"{what} exceeds the maximum model length of {self.max_model_len}", field=field)
         need = blocks_needed(total, self.pool.block_size)
         if need > self.pool.num_blocks:
             cap = self.pool.num_blocks * self.pool.block_size
-            raise RequestTooLarge(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"needs {need} KV blocks but the pool has {self.pool.num_blocks} ({cap} tokens)",
-                field="max_tokens",
-            )
+            raise RequestTooLarge(f"{what} needs {need} KV blocks but the pool has {self.pool.num_blocks} ({cap} tokens)", field=field)
 
     def enqueue(self, seq: Sequence) -> None:
-        self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
+        self.check_fits(len(seq.prompt_ids), seq.max_total - len(seq.prompt_ids))
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(len(self.waiting), self.retry_after)
         self.waiting.append(seq)
@@ -171,7 +184,8 @@ class SchedulingPolicy:
         """Give ``seq`` its blocks for prompt + max_tokens: shared cached
         prefix blocks first, then fresh ones, evicting idle cached blocks if
         that makes room. False (and nothing held) when it does not fit yet."""
-        shared = self.cache.match(seq.prompt_ids, now) if self.cache else []
+        lookup = self.cache is not None and seq.pooling is None
+        shared = self.cache.match(seq.prompt_ids, now) if lookup else []
         if shared:
             self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them
         missing = blocks_needed(seq.max_total, self.pool.block_size) - len(shared)
@@ -183,7 +197,7 @@ class SchedulingPolicy:
             return False
         self.pool.grow(seq.id, seq.max_total)
         seq.num_cached = seq.cached_prompt = len(shared) * self.pool.block_size
-        if self.cache is not None:
+        if lookup:
             self.cache.record(len(seq.prompt_ids), seq.num_cached)
         return True
 
@@ -244,7 +258,7 @@ class SchedulingPolicy:
         """Take a running sequence out and return its blocks; its full blocks
         of computed tokens stay in the prefix cache when ``remember``."""
         self.running.remove(seq)
-        if remember and self.cache is not None:
+        if remember and self.cache is not None and seq.pooling is None:
             now = self.clock()
             computed = seq.history()[: seq.num_cached]
             if not self.share_generated_kv:

@@ -47,6 +47,11 @@ class Sequence:
     finish_reason: str | None = None
     retain: str | None = None  # owner (a session) that keeps this sequence's KV when it commits
     guide: Guide | None = None  # the output constraint, if any
+    # An embedding request (types.GenerateRequest.pooling): "last" or
+    # "mean", the fixed-point sums pooled so far and how many rows they hold.
+    pooling: str | None = None
+    pool_sums: list[int] | None = None
+    pooled_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +59,9 @@ class Sequence:
 
     @property
     def max_total(self) -> int:
-        """Most tokens this sequence can ever hold: the KV room it reserves."""
-        return len(self.prompt_ids) + self.params.max_tokens
+        """Most tokens this sequence can ever hold: the KV room it reserves
+        (an embedding request generates nothing)."""
+        return len(self.prompt_ids) + (0 if self.pooling is not None else self.params.max_tokens)
 
     def pending(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens that are not in the cache yet, in order."""

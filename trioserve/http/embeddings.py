@@ -1,0 +1,237 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings route over the same engine.
+
+    {"input": "text" | ["text", ...] | [token ids] | [[token ids], ...],
+     "model"?, "encoding_format"?: "float" | "base64", "dimensions"?, "user"?}
+    -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
+        "model": ..., "usage": {"prompt_tokens": N, "total_tokens": N}}
+
+Each input is one embedding request in the engine (`Engine.embed`): a
+prompt prefilled through the scheduler like any other, sharing steps with
+generation, whose result is its pooled, L2-normalised final hidden state
+(--embedding-pooling; docs/embeddings.md). The body is parsed as strictly
+as the other routes' (one cattrs converter from http/schemas.py, every
+problem a 400 naming its JSON path). Token ids and lengths are checked
+against the model before anything is queued.
+
+A request keeps at most WINDOW = min(--max-num-seqs, --max-queue) of its
+inputs in the engine at once, submitting the next as one finishes, so a
+2048-input request never fills the queue by itself. A refusal or failure of
+any input ends the whole request with that error (the others are
+cancelled). A client that leaves cancels the handler; every input still
+in the engine is cancelled with it and its KV blocks are freed within one
+step."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import secrets
+import struct
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import cattrs
+import trio
+from cattrs.errors import BaseValidationError
+from quart import Response
+
+from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
+from trioserve.http.errors import HTTPError, error_response
+from trioserve.http.schemas import _field, _got, _Invalid, _is_int, _Nested, _raise_request_error, _record_hook, make_converter
+from trioserve.http.tools import off_loop
+from trioserve.types import FinalEvent
+
+MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
+BIG_RESPONSE = 1 << 16  # floats beyond which the JSON body is written in a thread
+
+
+@attrs.frozen
+class Inputs:
+    """The parsed `input`: its items (text, or token ids) in order, and
+    whether it was one item rather than a list of them (which decides
+    whether a problem is named `input` or `input[i]`)."""
+
+    items: tuple[str | tuple[int, ...], ...]
+    single: bool
+
+    def field(self, i: int) -> str:
+        return "input" if self.single else f"input[{i}]"
+
+
+def _token_list(value: list, at: str) -> tuple[int, ...]:
+    if not value:
+        raise _Invalid("must not be empty", at=at)
+    for j, token in enumerate(value):
+        if not _is_int(token) or token < 0:
+            raise _Invalid(f"expected a token id (a whole number of at least 0), got {_got(token)}", at=f"{at}[{j}]")
+    return tuple(value)
+
+
+def _parse_input(value: object, _: cattrs.Converter) -> Inputs:
+    if isinstance(value, str):
+        if not value:
+            raise _Invalid("must not be empty")
+        return Inputs((value,), single=True)
+    if not isinstance(value, list):
+        raise _Invalid(f"expected a string, a list of strings, a list of token ids or a list of lists of token ids, got {_got(value)}")
+    if not value:
+        raise _Invalid("must not be empty")
+    if len(value) > MAX_INPUTS and not _is_int(value[0]):
+        raise _Invalid(f"at most {MAX_INPUTS} inputs are allowed in one request, got {len(value)}")
+    first = value[0]
+    if _is_int(first):  # one input as token ids
+        return Inputs((_token_list(value, ""),), single=True)
+    if isinstance(first, str):
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise _Invalid(f"expected a string like input[0], got {_got(text)}", at=f"[{i}]")
+            if not text:
+                raise _Invalid("must not be empty", at=f"[{i}]")
+        return Inputs(tuple(value), single=False)
+    if isinstance(first, list):
+        items = []
+        for i, ids in enumerate(value):
+            if not isinstance(ids, list):
+                raise _Invalid(f"expected a list of token ids like input[0], got {_got(ids)}", at=f"[{i}]")
+            items.append(_token_list(ids, f"[{i}]"))
+        return Inputs(tuple(items), single=False)
+    raise _Invalid(f"expected a string, a token id or a list of token ids, got {_got(first)}", at="[0]")
+
+
+@attrs.frozen
+class EmbeddingRequest:
+    input: Inputs = _field(parse=_parse_input)
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # accepted only as the model's own size (checked with the engine)
+    user: str | None = None  # accepted and ignored
+
+
+@functools.cache
+def _converter() -> cattrs.Converter:
+    converter = make_converter()
+    attrs.resolve_types(EmbeddingRequest)
+    converter.register_structure_hook(EmbeddingRequest, _record_hook(EmbeddingRequest, converter))
+    return converter
+
+
+def parse_embedding_request(body: object) -> EmbeddingRequest:
+    """The embeddings request in ``body`` (parsed JSON), or RequestError
+    naming the first problem's JSON path."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field=None)
+    try:
+        return _converter().structure(body, EmbeddingRequest)
+    except (BaseValidationError, _Invalid, _Nested) as exc:
+        _raise_request_error(exc)
+        raise  # unreachable: _raise_request_error always raises
+
+
+def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
+    """`dimensions` is accepted only as the model's own vector length:
+    vectors are never shortened (the model was not trained for that)."""
+    if dimensions is not None and dimensions != hidden_size:
+        raise RequestError(
+            f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot be shortened; "
+            f"send {hidden_size} or leave it out (got {dimensions})",
+            field="dimensions",
+        )
+
+
+def prompt_ids(engine, inputs: Inputs, limit: int) -> list[list[int]]:
+    """Each input's token ids: text tokenized as text (a special token's
+    spelling is not its id), token ids checked against the vocabulary; no
+    input may be longer than ``limit`` tokens. Blocking: run in a thread."""
+    vocab = engine.tokenizer.vocab_size
+    out = []
+    for i, item in enumerate(inputs.items):
+        field = inputs.field(i)
+        if isinstance(item, str):
+            ids = engine.tokenizer.encode(item, special=False)
+            if not ids:
+                raise RequestError(f"{field}: the text has no tokens", field=field)
+        else:
+            ids = list(item)
+            for j, token in enumerate(ids):
+                if token >= vocab:
+                    raise RequestError(f"{field}[{j}]: token id {token} is outside the vocabulary (0..{vocab - 1})", field=f"{field}[{j}]")
+        if len(ids) > limit:
+            raise RequestTooLarge(f"{field}: {len(ids)} tokens, more than the {limit} this server embeds in one input", field=field)
+        out.append(ids)
+    return out
+
+
+def input_limit(engine) -> int:
+    """The most tokens one input may have: the context, and what the KV pool holds."""
+    stats = engine.statistics()
+    return min(engine.max_model_len, stats.kv_blocks_total * stats.block_size)
+
+
+async def embed_all(engine, prompts: Sequence[list[int]], window: int) -> list[FinalEvent]:
+    """Every prompt's FinalEvent, in order, with at most ``window`` of them
+    in the engine at once. The first refusal or failure cancels the rest and
+    is raised; cancelled, every request still in the engine is cancelled."""
+    base = f"embd-{secrets.token_hex(8)}"
+    results: list[FinalEvent | None] = [None] * len(prompts)
+    failures: list[TrioserveError] = []
+    todo = iter(enumerate(prompts))
+
+    async def run(nursery: trio.Nursery) -> None:
+        for i, ids in todo:
+            try:
+                final = await engine.embed(ids, request_id=f"{base}-{i}")
+                if final.finish_reason != "stop" or final.embedding is None:
+                    status = 503 if engine.statistics().dead else 500
+                    raise HTTPError(status, final.error or f"the embedding ended with {final.finish_reason}", kind="server_error")
+            except TrioserveError as exc:
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+                return
+            results[i] = final
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(window, len(prompts))):
+            nursery.start_soon(run, nursery)
+    if failures:
+        raise failures[0]
+    return results  # type: ignore[return-value]  # all set: no failure
+
+
+def response_body(finals: Sequence[FinalEvent], encoding: str, model: str) -> str:
+    """OpenAI's response, as JSON text."""
+    data = []
+    for i, final in enumerate(finals):
+        vector = final.embedding
+        if encoding == "base64":
+            value: object = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+        else:
+            value = list(vector)
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    tokens = sum(f.usage.prompt_tokens for f in finals)
+    body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return json.dumps(body)
+
+
+def add_embedding_routes(app, state, body_reader, check_model) -> None:
+    """Register POST /v1/embeddings on ``app``. ``body_reader()`` gives the
+    decoded JSON body; ``check_model(state, name)`` refuses another model."""
+
+    @app.route("/v1/embeddings", methods=["POST"])
+    async def embeddings() -> Response:
+        try:
+            engine = state.ready()
+            req = await off_loop(parse_embedding_request, await body_reader())
+            check_model(state, req.model)
+            check_dimensions(req.dimensions, engine.hidden_size)
+            prompts = await off_loop(prompt_ids, engine, req.input, input_limit(engine))
+            window = min(engine.config.max_num_seqs, engine.config.max_queue)
+            finals = await embed_all(engine, prompts, window)
+            if len(finals) * engine.hidden_size > BIG_RESPONSE:
+                text = await off_loop(response_body, finals, req.encoding_format, state.model_name)
+            else:
+                text = response_body(finals, req.encoding_format, state.model_name)
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
+            return error_response(exc)
+        return Response(text, status=200, mimetype="application/json")
