@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, EMBEDDING_POOLING, SPECULATIVE_MODES, EngineConfig, batch_invariant_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, batch_invariant_setting, kernels_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -81,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", default="smollm2", help="'smollm2' (built in), a .gguf file, or a Hugging Face directory")
     srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value)")
     srv.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16 where the CPU has native bf16, else float32")
-    srv.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    srv.add_argument("--device", default="cpu", help="torch device: cpu, or cuda (docs/kernels.md) (default cpu)")
+    srv.add_argument(
+        "--kernels",
+        choices=KERNEL_CHOICES,
+        default=None,
+        help="what runs the forward pass's operations: auto (Triton on CUDA, the C kernels on a CPU where they build), "
+        "reference (torch) or triton (default: $TRIOSERVE_KERNELS, else auto)",
+    )
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
     srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB)")
@@ -286,6 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         speculative_tokens=args.speculative_tokens,
         embedding_pooling=args.embedding_pooling,
+        kernels=args.kernels or kernels_setting(os.environ),
     )
     settings = ServerSettings(
         engine=engine,

@@ -24,6 +24,7 @@ def _seconds(instance, attribute, value) -> None:
 
 
 SPECULATIVE_MODES = ("off", "ngram")
+KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (kernels/ops.py)
 EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 
 
@@ -48,7 +49,10 @@ class EngineConfig:
     shares its steps and however its prompt is chunked (docs/determinism.md);
     off runs the faster batch-dependent arithmetic.
     embedding_pooling: how /v1/embeddings pools a prompt's final hidden
-    states: "mean" over its tokens, or its "last" token's (docs/embeddings.md)."""
+    states: "mean" over its tokens, or its "last" token's (docs/embeddings.md).
+    kernels: which implementation runs each operation of the forward pass:
+    "auto" (Triton on CUDA, the C kernels on a CPU where they build, torch
+    elsewhere), "reference" (torch) or "triton" (docs/kernels.md)."""
 
     model: str = "smollm2"
     dtype: str = "auto"
@@ -73,6 +77,7 @@ class EngineConfig:
     speculative: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
     speculative_tokens: int = attrs.field(default=4, validator=_positive)
     embedding_pooling: str = attrs.field(default=EMBEDDING_POOLING[0], validator=attrs.validators.in_(EMBEDDING_POOLING))
+    kernels: str = attrs.field(default=KERNEL_CHOICES[0], validator=attrs.validators.in_(KERNEL_CHOICES))
 
     @property
     def draft_tokens(self) -> int:
@@ -200,6 +205,23 @@ def _speculative(text: str) -> str:
     return text
 
 
+def kernels_setting(environ: Mapping[str, str]) -> str:
+    """$TRIOSERVE_KERNELS, or the default; a bad value is a ValueError naming it."""
+    text = environ.get("TRIOSERVE_KERNELS")
+    if not text:
+        return KERNEL_CHOICES[0]
+    try:
+        return _kernels(text)
+    except ValueError as exc:
+        raise ValueError(f"TRIOSERVE_KERNELS: {exc}") from None
+
+
+def _kernels(text: str) -> str:
+    if text not in KERNEL_CHOICES:
+        raise ValueError(f"must be one of {', '.join(KERNEL_CHOICES)}, got {text!r}")
+    return text
+
+
 def _pooling(text: str) -> str:
     if text not in EMBEDDING_POOLING:
         raise ValueError(f"must be one of {', '.join(EMBEDDING_POOLING)}, got {text!r}")
@@ -225,6 +247,7 @@ _ENV = {
     "TRIOSERVE_SPECULATIVE": ("engine.speculative", _speculative),
     "TRIOSERVE_SPECULATIVE_TOKENS": ("engine.speculative_tokens", int),
     "TRIOSERVE_EMBEDDING_POOLING": ("engine.embedding_pooling", _pooling),
+    "TRIOSERVE_KERNELS": ("engine.kernels", _kernels),
     "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
     "TRIOSERVE_API_KEY": ("api_key", str),
     "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),

@@ -226,7 +226,8 @@ async def open_engine(
         if model is None:
             model = await device.run(
                 lambda: LlamaModel.from_checkpoint(
-                    checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant
+                    checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
+                    kernels=config.kernels,
                 )
             )
         elif model.batch_invariant != config.batch_invariant:

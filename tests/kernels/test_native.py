@@ -226,9 +226,9 @@ def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_c
     for dtype in (torch.float32, torch.bfloat16):
         ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
         fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
-        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
-        assert fast.native and fast.native_decode
-        slow.native = slow.native_decode = False
+        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels="reference")
+        assert fast.kernels.name == "native" and fast.kernels.reads_in_place
+        assert slow.kernels.name == "reference"
         prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
         decode = build_step([SeqChunk([3], 6, [0, 1], decode=True)], 4, fixed=True)
         caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.tiny_model import TINY, hf_config, tiny_weights
+from trioserve.kernels.ops import Kernels
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.config import config_from_hf
 from trioserve.models.llama import LlamaModel
@@ -121,7 +122,7 @@ def test_gather_buffers_are_reused_across_steps():
     """The torch attention path's gather buffers (the C kernel, where it
     builds, reads the pool in place and needs none)."""
     model = tiny_model(torch.float32)
-    model.native_decode = False
+    model.kernels = Kernels()  # the torch set
     cache = filled_cache(model)
     chunks = mixed_chunks()
     model.forward(build_step(chunks, BLOCK), cache)
@@ -132,6 +133,6 @@ def test_gather_buffers_are_reused_across_steps():
     per_block = TINY["num_key_value_heads"] * BLOCK * (TINY["hidden_size"] // TINY["num_attention_heads"])
     assert buffers.shape[1] >= 2 * bucket(20) * per_block
     native_model = tiny_model(torch.float32)
-    if native_model.native_decode:
+    if native_model.kernels.reads_in_place:
         native_model.forward(build_step(chunks, BLOCK), filled_cache(native_model))
         assert native_model._scratch is not None and native_model._scratch.shape[1] == 0

@@ -264,7 +264,9 @@ def model_runner(head: dict, source) -> StepRunner:
     checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"]))
     # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic.
     invariant = bool(engine.get("batch_invariant", False))
-    model = LlamaModel.from_checkpoint(checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant)
+    model = LlamaModel.from_checkpoint(
+        checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto")
+    )
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
     guides = GuideCompiler(checkpoint.tokenizer)
     vocab = checkpoint.tokenizer.vocab_size

@@ -15,9 +15,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import native
-from trioserve.kernels import reference as ops
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, concat_rows, tiled_head
+from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
@@ -79,6 +78,7 @@ class LlamaModel:
         int4: Mapping[str, Int4Parts] | None = None,
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
+        kernels: str = "auto",
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -87,7 +87,10 @@ class LlamaModel:
         shares its step and however its prompt was chunked
         (docs/determinism.md): projections by `Projection.fixed`, the output
         head in row tiles, attention by `fixed_order_attention`. Steps must
-        then be built with ``build_step(..., fixed=True)``."""
+        then be built with ``build_step(..., fixed=True)``.
+
+        ``kernels``: which implementation runs each operation (auto,
+        reference or triton: kernels/ops.py)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -138,12 +141,10 @@ class LlamaModel:
         self.rope_cos = angles.cos().float().to(self.device)
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # On CPU, where the C kernels build (kernels/native.py): every row,
-        # decode or prompt, attends through one of them (row by row, reading
-        # the pool in place; `native_decode` where the shape is one it
-        # takes), and every row's norms and RoPE + K/V store through others.
-        self.native = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and native.library() is not None
-        self.native_decode = self.native and native.supports(config.num_heads, config.num_kv_heads, config.head_dim)
+        # Every operation runs through this seam: on CPU the C kernels where
+        # they build (attention row by row, reading the pool in place, for
+        # the head shapes they take), on CUDA the Triton ones.
+        self.kernels: Kernels = select_kernels(kernels, self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
 
     @classmethod
@@ -154,9 +155,10 @@ class LlamaModel:
         use_int4: bool = True,
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
+        kernels: str = "auto",
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
-        return cls(checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant)
+        return cls(checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels)
 
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token_element * self.embed.element_size()
@@ -190,11 +192,7 @@ class LlamaModel:
         if logit_rows.numel():
             logits = self._head(self._rms_norm(h.index_select(0, logit_rows), self.norm))
         picked = h.index_select(0, hidden_rows).contiguous()
-        if self.native:
-            hidden = native.rms_norm(picked, self.norm, self.config.rms_eps, torch.float32, checked=False)
-        else:
-            hidden = ops.rms_norm(picked, self.norm, self.config.rms_eps)
-        return logits, hidden
+        return logits, self.kernels.rms_norm(picked, self.norm, self.config.rms_eps, torch.float32)
 
     def _residual(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """The step's layers: K/V written into ``cache``, and the fp32
@@ -204,16 +202,12 @@ class LlamaModel:
             raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
         if batch.fixed != self.batch_invariant:
             raise ValueError(f"a step built with fixed={batch.fixed} for a model with batch_invariant={self.batch_invariant}")
-        if self.native:  # what the C kernels are then called with, unchecked, on every layer
+        if self.kernels.name != "reference":  # what the kernels are then called with, unchecked, on every layer
             for t in (batch.positions, batch.slot_mapping, *(g.block_tables for g in batch.groups), *(g.lengths for g in batch.groups)):
                 if t.dtype != torch.int64 or not t.is_contiguous():
                     raise ValueError("a step's index tensors must be contiguous int64")
         n_q = c.num_heads * c.head_dim
-        n_kv = c.num_kv_heads * c.head_dim
-        real = batch.num_tokens  # then pad tokens, which are computed but never stored or read back
-        if not self.native:
-            cos = self.rope_cos.index_select(0, batch.positions)
-            sin = self.rope_sin.index_select(0, batch.positions)
+        kernels = self.kernels
         gather = self._gather_buffers(batch, cache)
         # The residual stream stays fp32 whatever the weights' dtype: SmolLM2
         # and others grow "attention sink" activations (~25000) whose bf16
@@ -228,26 +222,13 @@ class LlamaModel:
         x = self._rms_norm(h, self.layers[0].attn_norm) if self.layers else None
         for i, layer in enumerate(self.layers):
             qkv = project(layer.qkv, x)
-            if self.native:
-                q = native.rope_write_kv(
-                    qkv.contiguous(), batch.positions, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], batch.slot_mapping,
-                    c.num_heads, c.num_kv_heads, checked=False,
-                )  # fmt: skip
-            else:
-                q = qkv[:, :n_q].view(-1, c.num_heads, c.head_dim)
-                k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, c.head_dim)
-                v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, c.head_dim)
-                q = ops.apply_rope(q, cos, sin)
-                k = ops.apply_rope(k, cos, sin)
-                ops.write_kv(cache.k[i], cache.v[i], batch.slot_mapping, k[:real], v[:real].contiguous())
+            # Pad rows (after batch.num_tokens) are rotated but never stored or read back.
+            q = kernels.rope_write_kv(
+                qkv, batch.positions, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], batch.slot_mapping, c.num_heads, c.num_kv_heads
+            )
             attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
             x = self._add_rms_norm(h, project(layer.o, attn.reshape(-1, n_q)), layer.mlp_norm)
-            gate_up = project(layer.gate_up, x)
-            if self.native:
-                act = native.silu_mul(gate_up.contiguous(), checked=False)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
+            act = kernels.silu_mul(project(layer.gate_up, x))
             down = project(layer.down, act)
             if i + 1 < len(self.layers):
                 x = self._add_rms_norm(h, down, self.layers[i + 1].attn_norm)
@@ -258,16 +239,11 @@ class LlamaModel:
     def _add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``h += delta`` (the fp32 residual stream, in place), then h normed
         and cast to the weights' dtype."""
-        if self.native:
-            return native.add_rms_norm(h, delta.contiguous(), weight, self.config.rms_eps, self.dtype, checked=False)
-        h.add_(delta)
-        return self._rms_norm(h, weight)
+        return self.kernels.add_rms_norm(h, delta, weight, self.config.rms_eps, self.dtype)
 
     def _rms_norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The fp32 residual rows ``h`` normed and cast to the weights' dtype."""
-        if self.native:
-            return native.rms_norm(h.contiguous(), weight, self.config.rms_eps, self.dtype, checked=False)
-        return ops.rms_norm(h, weight, self.config.rms_eps).to(self.dtype)
+        return self.kernels.rms_norm(h, weight, self.config.rms_eps, self.dtype)
 
     def _head(self, last: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the final-normed rows ``last``."""
@@ -292,17 +268,7 @@ class LlamaModel:
         return out
 
     def _group_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g, gather) -> torch.Tensor:
-        if g.decode and self.native_decode:
-            out = native.decode_attention(q.contiguous(), k_cache, v_cache, g.block_tables, g.lengths, self.scale, checked=False)
-            return out.to(q.dtype)
-        if self.native_decode:  # prompt rows: each its own row, through its sequence's table
-            out = native.decode_attention(
-                q.contiguous(), k_cache, v_cache, g.block_tables, g.row_lengths, self.scale, row_seq=g.row_seq, checked=False
-            )
-            return out.to(q.dtype)
-        return ops.paged_attention(
-            q, k_cache, v_cache, g.block_tables, g.pad_index, g.mask, self.scale, flash=g.flash, fixed=g.fixed, gather_into=gather
-        )
+        return self.kernels.attention(q, k_cache, v_cache, g, self.scale, gather)
 
     def _gather_buffers(self, batch: StepBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat scratch buffers that any group's gathered keys and values
@@ -310,8 +276,8 @@ class LlamaModel:
         kept, so steps stop allocating them at all."""
         c = self.config
         per_block = c.num_kv_heads * cache.block_size * c.head_dim
-        # Rows through the C kernel read the pool in place: no buffer.
-        torch_groups = [] if self.native_decode else list(batch.groups)
+        # Rows through a kernel that reads the pool in place need no buffer.
+        torch_groups = [] if self.kernels.reads_in_place else list(batch.groups)
         need = max((g.block_tables.numel() for g in torch_groups), default=0) * per_block
         old = self._scratch
         if old is None or old.dtype != cache.k.dtype or old.device != cache.k.device:

@@ -1,0 +1,181 @@
+"""The seam between the model and the kernels: one object per model that
+says how each operation of the forward pass runs on the model's device.
+
+    reference   torch twins (kernels/reference.py): any device, the oracle
+    native      the C kernels of kernels/native.py (CPU, where they build)
+    triton      the Triton kernels of kernels/gpu (CUDA; on a CPU only under
+                TRITON_INTERPRET=1, which the tests use)
+
+`select_kernels` picks one from ``--kernels`` (auto, reference, triton) and
+the device: auto is triton on CUDA, native on a CPU where the C kernels
+build, reference elsewhere. models/llama.py calls only these methods; it
+imports no implementation itself. Every set has the same methods with the
+same signatures and meanings (each method's docstring in `Kernels`); the
+sets differ in speed and in rounding, never in what they compute."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from trioserve.config import KERNEL_CHOICES
+from trioserve.kernels import reference
+
+
+class Kernels:
+    """The reference set: torch, on any device. The base of the others, which
+    replace what they run faster and leave the rest to it."""
+
+    name = "reference"
+    # Attention reads the pool where it lies (no gathered copy of K and V),
+    # for every group: the model then needs no gather buffers.
+    reads_in_place = False
+
+    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        """fp32 rows ``h`` [T, n] normed with the fp32 ``weight`` [n], cast to ``dtype``."""
+        return reference.rms_norm(h, weight, eps).to(dtype)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        """``h += delta`` in place (the fp32 residual stream), then `rms_norm` of the new h."""
+        h.add_(delta)
+        return self.rms_norm(h, weight, eps, dtype)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of packed rows [T, 2F] (gate, then up): [T, F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        """RoPE on the queries and keys of packed rows qkv [T, (H + 2 KVH) D]
+        (cos, sin [max_position, D/2] fp32 tables, read at ``positions``),
+        and the rotated keys and the values of the first len(slots) rows
+        stored into the paged caches [KVH, NB, BS, D] at ``slots`` (later
+        rows are padding). Returns the rotated queries [T, H, D]."""
+        dim = k_cache.shape[-1]
+        n_q, n_kv = heads * dim, kv_heads * dim
+        c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+        q = reference.apply_rope(qkv[:, :n_q].view(-1, heads, dim), c, s)
+        k = reference.apply_rope(qkv[:, n_q : n_q + n_kv].view(-1, kv_heads, dim), c, s)
+        real = slots.shape[0]
+        v = qkv[:real, n_q + n_kv :].reshape(-1, kv_heads, dim)
+        reference.write_kv(k_cache, v_cache, slots, k[:real], v)
+        return q
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group, scale: float, gather) -> torch.Tensor:
+        """The attention of one group's rows (models/step.AttentionGroup) to
+        their cached keys: [R, H, D] in q's dtype. ``gather`` is the model's
+        two scratch buffers for a set that copies K and V (not read by the
+        sets that read in place)."""
+        return reference.paged_attention(
+            q, k_cache, v_cache, group.block_tables, group.pad_index, group.mask, scale,
+            flash=group.flash, fixed=group.fixed, gather_into=gather,
+        )  # fmt: skip
+
+
+class NativeKernels(Kernels):
+    """The C kernels (kernels/native.py), called unchecked: the model hands
+    them contiguous tensors of the dtypes they take, and checks the step's
+    index tensors once a step. Attention goes through C only for the head
+    shapes it takes (`native.supports`); other shapes use the torch twin."""
+
+    name = "native"
+
+    def __init__(self, attention_in_c: bool) -> None:
+        from trioserve.kernels import native
+
+        self._native = native
+        self.reads_in_place = attention_in_c
+
+    def rms_norm(self, h, weight, eps, dtype):
+        return self._native.rms_norm(h.contiguous(), weight, eps, dtype, checked=False)
+
+    def add_rms_norm(self, h, delta, weight, eps, dtype):
+        return self._native.add_rms_norm(h, delta.contiguous(), weight, eps, dtype, checked=False)
+
+    def silu_mul(self, gate_up):
+        return self._native.silu_mul(gate_up.contiguous(), checked=False)
+
+    def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
+        return self._native.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, checked=False)
+
+    def attention(self, q, k_cache, v_cache, group, scale, gather):
+        if not self.reads_in_place:
+            return super().attention(q, k_cache, v_cache, group, scale, gather)
+        return _row_attention(self._native.decode_attention, q, k_cache, v_cache, group, scale, checked=False)
+
+
+class TritonKernels(Kernels):
+    """The Triton kernels (kernels/gpu): every op of the forward pass on a
+    CUDA device, or on CPU tensors under TRITON_INTERPRET=1 (tests only:
+    hundreds of times slower than torch)."""
+
+    name = "triton"
+    reads_in_place = True
+
+    def __init__(self) -> None:
+        from trioserve.kernels.gpu import attention, elementwise
+
+        self._elementwise = elementwise
+        self._attention = attention
+
+    def rms_norm(self, h, weight, eps, dtype):
+        return self._elementwise.rms_norm(h, weight, eps, dtype)
+
+    def add_rms_norm(self, h, delta, weight, eps, dtype):
+        return self._elementwise.add_rms_norm(h, delta, weight, eps, dtype)
+
+    def silu_mul(self, gate_up):
+        return self._elementwise.silu_mul(gate_up)
+
+    def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
+        return self._elementwise.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+
+    def attention(self, q, k_cache, v_cache, group, scale, gather):
+        return _row_attention(self._attention.decode_attention, q, k_cache, v_cache, group, scale)
+
+
+def _row_attention(kernel, q, k_cache, v_cache, group, scale, **options) -> torch.Tensor:
+    """A group through a kernel that reads the pool in place, row by row:
+    decode rows by their own table row, prompt rows by their sequence's
+    (`row_seq`), each to its own length. The kernels return fp32."""
+    if group.decode:
+        out = kernel(q.contiguous(), k_cache, v_cache, group.block_tables, group.lengths, scale, **options)
+    else:
+        out = kernel(q.contiguous(), k_cache, v_cache, group.block_tables, group.row_lengths, scale, row_seq=group.row_seq, **options)
+    return out.to(q.dtype)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Kernels:
+    """The kernel set ``choice`` (auto, reference or triton) means for a
+    model of ``dtype`` on ``device``. ValueError, saying why, for triton
+    where it cannot run."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "reference":
+        return Kernels()
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        if device.type != "cuda" and not _interpreted():
+            raise ValueError(f"--kernels triton needs a CUDA device (this model is on {device.type}); TRITON_INTERPRET=1 runs them on a CPU, very slowly, for tests")
+        return TritonKernels()
+    from trioserve.kernels import native
+
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None:
+        return NativeKernels(attention_in_c=native.supports(heads, kv_heads, head_dim))
+    return Kernels()
