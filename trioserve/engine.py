@@ -202,12 +202,32 @@ class _EventStream:
         return event
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The weights' dtype ``name`` means on ``device``: auto is bfloat16 on
+    a GPU, and on a CPU bfloat16 only where it has native bf16 (kernels/cpu.py)."""
     try:
         dtype = DTYPES[name]
     except KeyError:
         raise RequestError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype") from None
-    return auto_dtype() if dtype is None else dtype  # auto: by the CPU (kernels/cpu.py)
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if torch.device(device).type == "cuda" else auto_dtype()
+
+
+# The share of a GPU's free memory (after the weights are loaded) the KV
+# pool may take at most; the rest is left for activations and the allocator.
+GPU_KV_SHARE = 0.9
+
+
+def kv_budget(requested: int, device: torch.device, free_bytes: int | None = None) -> int:
+    """The KV pool's bytes: ``requested`` (--kv-cache-bytes), but on a GPU
+    no more than GPU_KV_SHARE of its free memory (``free_bytes``, read from
+    the device when not given)."""
+    if device.type != "cuda":
+        return requested
+    if free_bytes is None:
+        free_bytes, _total = torch.cuda.mem_get_info(device)
+    return min(requested, int(free_bytes * GPU_KV_SHARE))
 
 
 @contextlib.asynccontextmanager
@@ -222,7 +242,7 @@ async def open_engine(
     ``model`` (built from that checkpoint) skips building the model."""
     async with open_device_thread() as device:
         if checkpoint is None:
-            checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype), progress=progress))
+            checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype, config.device), progress=progress))
         if model is None:
             model = await device.run(
                 lambda: LlamaModel.from_checkpoint(
@@ -242,10 +262,12 @@ async def open_engine(
 @contextlib.asynccontextmanager
 async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: LlamaModel, device: DeviceThread) -> AsyncIterator[Engine]:
     max_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
-    num_blocks = blocks_for_budget(config.kv_cache_bytes, model.kv_bytes_per_token(), config.block_size)
+    budget = await device.run(kv_budget, config.kv_cache_bytes, model.device)
+    num_blocks = blocks_for_budget(budget, model.kv_bytes_per_token(), config.block_size)
     if num_blocks < 1:
+        where = "" if budget == config.kv_cache_bytes else f", or the {budget} bytes {model.device} has free for it"
         raise RequestError(
-            f"kv_cache_bytes ({config.kv_cache_bytes}) is less than one block "
+            f"kv_cache_bytes ({config.kv_cache_bytes}{where}) is less than one block "
             f"({model.kv_bytes_per_token() * config.block_size} bytes)",
             field="kv_cache_bytes",
         )

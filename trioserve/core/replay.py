@@ -261,7 +261,7 @@ def model_runner(head: dict, source) -> StepRunner:
     from trioserve.models.llama import LlamaModel  # noqa: PLC0415
 
     engine, core = head["engine"], head["core"]
-    checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"]))
+    checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"], engine["device"]))
     # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic.
     invariant = bool(engine.get("batch_invariant", False))
     model = LlamaModel.from_checkpoint(

@@ -82,7 +82,7 @@ async def serve_app(
     if checkpoint is None:
         progress = ProgressBar("Loading weights")
         checkpoint = await trio.to_thread.run_sync(
-            without_openmp_helpers, lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype), progress=progress)
+            without_openmp_helpers, lambda: load_checkpoint(settings.engine.model, dtype=resolve_dtype(settings.engine.dtype, settings.engine.device), progress=progress)
         )
         progress.finish(f" ({checkpoint.path})")
     app = create_app(settings, checkpoint=checkpoint)
