@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.gpu.conftest import DEVICE
 from trioserve.kernels.ops import Kernels, NativeKernels, TritonKernels, select_kernels
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
@@ -19,7 +20,10 @@ BLOCK = 4
 @pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
 def test_a_triton_forward_equals_the_reference_forward(tiny_checkpoints, invariant):
     ckpt = load_checkpoint(tiny_checkpoints["gguf_f32"], dtype=torch.float32)
-    models = {name: LlamaModel.from_checkpoint(ckpt, batch_invariant=invariant, kernels=name) for name in ("triton", "reference")}
+    # The Triton model on the GPU where there is one (compiled), else on the
+    # CPU (interpreted); the reference, the oracle, always on the CPU.
+    devices = {"triton": DEVICE, "reference": torch.device("cpu")}
+    models = {name: LlamaModel.from_checkpoint(ckpt, batch_invariant=invariant, kernels=name, device=devices[name]) for name in devices}
     assert isinstance(models["triton"].kernels, TritonKernels) and type(models["reference"].kernels) is Kernels
     caches = {name: m.new_kv_cache(16, BLOCK) for name, m in models.items()}
     steps = [
@@ -30,11 +34,11 @@ def test_a_triton_forward_equals_the_reference_forward(tiny_checkpoints, invaria
         [SeqChunk([9], 2, [4], decode=True), SeqChunk([4], 10, [0, 1, 2], decode=True)],
     ]
     for chunks in steps:
-        out = {name: m.forward(build_step(chunks, BLOCK, fixed=invariant), caches[name]) for name, m in models.items()}
+        out = {name: m.forward(build_step(chunks, BLOCK, devices[name], fixed=invariant), caches[name]).cpu() for name, m in models.items()}
         torch.testing.assert_close(out["triton"], out["reference"], atol=1e-4, rtol=1e-4)
         assert torch.equal(out["triton"].argmax(-1), out["reference"].argmax(-1))
-    torch.testing.assert_close(caches["triton"].k, caches["reference"].k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(caches["triton"].v, caches["reference"].v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches["triton"].k.cpu(), caches["reference"].k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches["triton"].v.cpu(), caches["reference"].v, atol=1e-5, rtol=1e-5)
 
 
 def test_the_seam_picks_by_device_and_refuses_triton_without_a_gpu(monkeypatch):
