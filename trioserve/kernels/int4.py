@@ -156,14 +156,16 @@ class Projection:
     kernels/cpu.py) the int4 rows are cast to bf16 and back: the same
     arithmetic a bf16 model's generated tokens get."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Parts | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Parts | None = None, *, use_native: bool = True):
+        """``use_native``: the C kernel where it takes the shape (else, and
+        when false, torch's CPU int4 op)."""
         self.weight = weight
         self.bias = bias
         self.packed = None
         self.native = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
             return
-        if native.int4_supported(*int4.q.shape):
+        if use_native and native.int4_supported(*int4.q.shape):
             # The C kernel (kernels/native.py): faster, and exact products
             # of the bf16 inputs with the 4-bit codes, where torch's op
             # rounds the scale and zero to bf16.

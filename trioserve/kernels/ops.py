@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from trioserve.config import KERNEL_CHOICES
 from trioserve.kernels import reference
+from trioserve.kernels.int4 import Int4Parts, Projection
 
 
 class Kernels:
@@ -32,6 +33,12 @@ class Kernels:
     # Attention reads the pool where it lies (no gathered copy of K and V),
     # for every group: the model then needs no gather buffers.
     reads_in_place = False
+
+    def projection(self, weight: torch.Tensor, bias: torch.Tensor | None, int4: Int4Parts | None) -> Projection:
+        """A projection y = x W^T (+ bias) whose generated tokens' rows use
+        the 4-bit codes ``int4`` where given (kernels/int4.Projection):
+        here torch's CPU int4 op, on a CPU, for bf16 or float32 weights."""
+        return Projection(weight, bias, int4, use_native=False)
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
         """fp32 rows ``h`` [T, n] normed with the fp32 ``weight`` [n], cast to ``dtype``."""
@@ -99,6 +106,9 @@ class NativeKernels(Kernels):
         self._native = native
         self.reads_in_place = attention_in_c
 
+    def projection(self, weight, bias, int4):
+        return Projection(weight, bias, int4)  # the C int4 kernel where it takes the shape
+
     def rms_norm(self, h, weight, eps, dtype):
         return self._native.rms_norm(h.contiguous(), weight, eps, dtype, checked=False)
 
@@ -131,6 +141,9 @@ class TritonKernels(Kernels):
         self._elementwise = elementwise
         self._attention = attention
 
+    def projection(self, weight, bias, int4):
+        return TritonProjection(weight, bias, int4)
+
     def rms_norm(self, h, weight, eps, dtype):
         return self._elementwise.rms_norm(h, weight, eps, dtype)
 
@@ -145,6 +158,25 @@ class TritonKernels(Kernels):
 
     def attention(self, q, k_cache, v_cache, group, scale, gather):
         return _row_attention(self._attention.decode_attention, q, k_cache, v_cache, group, scale)
+
+
+class TritonProjection(Projection):
+    """A projection whose generated tokens' rows multiply the 4-bit codes
+    by the Triton weight-only kernel (kernels/gpu/quant_matmul.py) on the
+    weight's device; prompt rows, and everything without codes, go through
+    the dense weight (cuBLAS on a GPU)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, int4: Int4Parts | None) -> None:
+        super().__init__(weight, bias, None)
+        if int4 is not None:
+            from trioserve.kernels.gpu import quant_matmul
+
+            self._matmul = quant_matmul.matmul
+            self.packed = quant_matmul.pack_int4_parts(int4).to(weight.device)
+
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(self.packed, x).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 def _row_attention(kernel, q, k_cache, v_cache, group, scale, **options) -> torch.Tensor:

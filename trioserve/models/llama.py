@@ -96,6 +96,10 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
+        # Every operation runs through this seam: on CPU the C kernels where
+        # they build (attention row by row, reading the pool in place, for
+        # the head shapes they take), on CUDA the Triton ones.
+        self.kernels: Kernels = select_kernels(kernels, self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device).contiguous()
@@ -105,7 +109,7 @@ class LlamaModel:
             weight = torch.cat([w(n) for n in names]).contiguous()
             bias = torch.cat([w(n) for n in bias_names]) if bias_names else None
             parts = concat_rows([int4[n] for n in names]) if all(n in int4 for n in names) else None
-            return Projection(weight, bias, parts)
+            return self.kernels.projection(weight, bias, parts)
 
         self.embed = w("model.embed_tokens.weight")
         # Norm weights are kept in fp32, in which norms compute anyway.
@@ -133,18 +137,15 @@ class LlamaModel:
         # embedding is 8-bit (Q8_0) already, the head is read whole every
         # step, and the int8 kernel computes each row on its own, so it is
         # batch-invariant as it is (bench/README.md, "Performance").
+        # On a GPU the dense head (cuBLAS) serves instead.
         quantized = bool(self.layers) and self.layers[0].qkv.packed is not None
-        self.head_int8 = Int8Rows(self.lm_head) if quantized else None
+        self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
         self.rope_cos = angles.cos().float().to(self.device)
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # Every operation runs through this seam: on CPU the C kernels where
-        # they build (attention row by row, reading the pool in place, for
-        # the head shapes they take), on CUDA the Triton ones.
-        self.kernels: Kernels = select_kernels(kernels, self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
 
     @classmethod

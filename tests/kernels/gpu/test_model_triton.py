@@ -70,3 +70,24 @@ def test_kernels_triton_without_a_gpu_is_one_error_line_and_exit_2(tiny_checkpoi
     with pytest.raises(ValueError, match="TRIOSERVE_KERNELS: must be one of auto, reference, triton, got 'fastest'"):
         settings_from_env({"TRIOSERVE_KERNELS": "fastest"})
     assert settings_from_env({"TRIOSERVE_KERNELS": "reference"}).engine.kernels == "reference"
+
+
+def test_generated_tokens_take_the_triton_4_bit_kernel(tiny_checkpoints):
+    """A Q4_1 model on the Triton set: decode rows multiply the 4-bit codes
+    by the Triton kernel (TritonProjection), and its decode logits agree
+    with the C kernels' (which round activations to bf16, hence the
+    tolerance) and pick the same tokens."""
+    from trioserve.kernels.ops import TritonProjection
+
+    ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32)
+    triton_model = LlamaModel.from_checkpoint(ckpt, kernels="triton", device=DEVICE)
+    cpu_model = LlamaModel.from_checkpoint(ckpt)
+    layer = triton_model.layers[0]
+    assert isinstance(layer.qkv, TritonProjection) and layer.qkv.packed is not None
+    models = {"triton": (triton_model, DEVICE), "cpu": (cpu_model, torch.device("cpu"))}
+    caches = {name: m.new_kv_cache(8, BLOCK) for name, (m, _) in models.items()}
+    out = {}
+    for chunks in ([SeqChunk([5, 9, 33, 7, 2], 0, [0, 1])], [SeqChunk([8], 5, [0, 1], decode=True)]):
+        out = {name: m.forward(build_step(chunks, BLOCK, device), caches[name]).cpu() for name, (m, device) in models.items()}
+    assert (out["triton"] - out["cpu"]).abs().max() <= 0.02 * out["cpu"].abs().max()
+    assert torch.equal(out["triton"].argmax(-1), out["cpu"].argmax(-1))
