@@ -44,7 +44,7 @@ async def rounds(args, server: Server) -> dict[str, list]:
         base = dict(api=server.base_url + "/v1", model=None, seed=0, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, timeout=args.timeout)
         model = await find_model(client, SimpleNamespace(**base, requests=1))
         for route in ROUTES:  # warm both paths (templates, caches, first-call costs)
-            await run_level(client, SimpleNamespace(**base, requests=1, route=route, max_tokens=8), model, secrets.token_hex(4), 1)
+            await run_level(client, SimpleNamespace(**{**base, "max_tokens": 8}, requests=1, route=route), model, secrets.token_hex(4), 1)
         for number in range(args.rounds):
             for route in ROUTES if number % 2 == 0 else reversed(ROUTES):
                 load = SimpleNamespace(**base, requests=args.requests, route=route)
