@@ -199,10 +199,18 @@ def native_kernels_setting(environ: Mapping[str, str]) -> bool:
         raise ValueError(f"{NATIVE_KERNELS_ENV}: {exc}") from None
 
 
-def _speculative(text: str) -> str:
-    if text not in SPECULATIVE_MODES:
-        raise ValueError(f"must be one of {', '.join(SPECULATIVE_MODES)}, got {text!r}")
-    return text
+def _one_of(choices: tuple[str, ...]):
+    """A parser of a variable that must be one of ``choices``."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+_speculative, _kernels, _pooling = _one_of(SPECULATIVE_MODES), _one_of(KERNEL_CHOICES), _one_of(EMBEDDING_POOLING)
 
 
 def kernels_setting(environ: Mapping[str, str]) -> str:
@@ -214,18 +222,6 @@ def kernels_setting(environ: Mapping[str, str]) -> str:
         return _kernels(text)
     except ValueError as exc:
         raise ValueError(f"TRIOSERVE_KERNELS: {exc}") from None
-
-
-def _kernels(text: str) -> str:
-    if text not in KERNEL_CHOICES:
-        raise ValueError(f"must be one of {', '.join(KERNEL_CHOICES)}, got {text!r}")
-    return text
-
-
-def _pooling(text: str) -> str:
-    if text not in EMBEDDING_POOLING:
-        raise ValueError(f"must be one of {', '.join(EMBEDDING_POOLING)}, got {text!r}")
-    return text
 
 
 # TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".

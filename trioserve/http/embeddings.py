@@ -39,7 +39,7 @@ from quart import Response
 
 from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
 from trioserve.http.errors import HTTPError, error_response
-from trioserve.http.schemas import _field, _got, _Invalid, _is_int, _Nested, _raise_request_error, _record_hook, make_converter
+from trioserve.http.schemas import _field, _got, _Invalid, _is_int, _Nested, _raise_request_error, _record_hook, _token_ids, make_converter
 from trioserve.http.tools import off_loop
 from trioserve.types import FinalEvent
 
@@ -60,15 +60,6 @@ class Inputs:
         return "input" if self.single else f"input[{i}]"
 
 
-def _token_list(value: list, at: str) -> tuple[int, ...]:
-    if not value:
-        raise _Invalid("must not be empty", at=at)
-    for j, token in enumerate(value):
-        if not _is_int(token) or token < 0:
-            raise _Invalid(f"expected a token id (a whole number of at least 0), got {_got(token)}", at=f"{at}[{j}]")
-    return tuple(value)
-
-
 def _parse_input(value: object, _: cattrs.Converter) -> Inputs:
     if isinstance(value, str):
         if not value:
@@ -82,7 +73,7 @@ def _parse_input(value: object, _: cattrs.Converter) -> Inputs:
         raise _Invalid(f"at most {MAX_INPUTS} inputs are allowed in one request, got {len(value)}")
     first = value[0]
     if _is_int(first):  # one input as token ids
-        return Inputs((_token_list(value, ""),), single=True)
+        return Inputs((_token_ids(value, ""),), single=True)
     if isinstance(first, str):
         for i, text in enumerate(value):
             if not isinstance(text, str):
@@ -95,7 +86,7 @@ def _parse_input(value: object, _: cattrs.Converter) -> Inputs:
         for i, ids in enumerate(value):
             if not isinstance(ids, list):
                 raise _Invalid(f"expected a list of token ids like input[0], got {_got(ids)}", at=f"[{i}]")
-            items.append(_token_list(ids, f"[{i}]"))
+            items.append(_token_ids(ids, f"[{i}]"))
         return Inputs(tuple(items), single=False)
     raise _Invalid(f"expected a string, a token id or a list of token ids, got {_got(first)}", at="[0]")
 
