@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import httpx
 import jsonschema
 import pytest
@@ -17,7 +18,7 @@ from tests.http.conftest import MODEL_NAME, assert_error, kv_bytes, LONG_CONTEXT
 from tests.http.raw_client import RawClient
 from tests.http.test_guided import ASK, SCHEMA, WEATHER
 from tests.http.test_server import call, sync_client
-from trioserve.http.responses import OutputItems
+from trioserve.http.responses import OutputItems, as_history
 from trioserve.models.output_parser import Delta, ToolCall
 
 TIMEOUT = httpx.Timeout(30.0)
@@ -232,6 +233,7 @@ async def test_stored_responses_are_kept_read_and_deleted_and_store_false_keeps_
             after_unkept = await client.post("/v1/responses", json={"input": "two", "previous_response_id": unkept["id"]})
             deleted = await client.delete(f"/v1/responses/{kept['id']}")
             assert deleted.json() == {"id": kept["id"], "object": "response.deleted", "deleted": True}
+            assert "DELETE" in deleted.headers["access-control-allow-methods"]  # a browser page may delete, too
             after_delete = await client.post("/v1/responses", json={"input": "two", "previous_response_id": kept["id"]})
             unknown = await client.get("/v1/responses/resp_nothing")
     for response in (after_unkept, after_delete):
@@ -268,6 +270,13 @@ BAD = [
     ({"input": []}, "input: must hold at least one message", "input"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type: the string 'web_search_call' items are not supported", "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type: only text parts are supported", "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]}, "input[0].content[0].type: only text parts are supported", "input[0].content[0].type"),
+    ({"input": "x", "max_tokens": 3}, "max_tokens: not a field of the Responses API; send max_output_tokens", "max_tokens"),
+    ({"input": "x", "max_completion_tokens": 3}, "max_completion_tokens: not a field of the Responses API; send max_output_tokens", "max_completion_tokens"),
+    ({"input": "x", "response_format": {"type": "json_object"}}, "response_format: not a field of the Responses API; send text.format", "response_format"),
+    ({"input": "x", "n": 2}, "n: not a field of the Responses API; a response has one output", "n"),
+    ({"input": "x", "frobnicate": 1}, "frobnicate: unknown field", "frobnicate"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include: log probabilities are not supported", "include"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role: must be one of 'user', 'assistant', 'system', 'developer'", "input[0].role"),
     ({"input": ["hi", {"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]: expected an input item", "input[0]"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[1].call_id: expected a string", "input[1].call_id"),
@@ -321,13 +330,23 @@ def test_output_items_follow_the_parsers_pieces_in_order():
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert added == done == [0, 1, 2, 3]
-    assert items.message() == {"role": "assistant", "content": "\nSure.\n\nDone", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta", "response.reasoning_text.delta"]
+    assert kinds[4:7] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    # Kept as the conversation sending these items back would make: the
+    # call joins the text before it; the text after it is its own message.
+    assert as_history(items.as_input()) == [
+        {"role": "assistant", "content": "\nSure.", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "assistant", "content": "\n\nDone"},
+    ]
 
     only_call = OutputItems()
     only_call.feed(Delta(content=" "))
     only_call.feed(Delta(tool_call=ToolCall(0, "call_2", "f", "{}")))
+    only_call.feed(Delta(content="x"))
     only_call.finish("completed")
-    assert [item["type"] for item in only_call.items] == ["function_call"]
+    assert [item["type"] for item in only_call.items] == ["function_call", "message"]
+    assert only_call.items[1]["content"][0]["text"] == "x"  # the space before the call went nowhere
     empty = OutputItems()
     empty.finish("completed")
     assert [(i["type"], i["content"][0]["text"]) for i in empty.items] == [("message", "")]
@@ -351,3 +370,19 @@ async def test_the_load_generator_reads_responses_streams_as_chat_ones(server):
         assert level.errors == 0, (route, [r.error for r in level.results])
         assert [r.output_tokens for r in level.ok] == [6, 6, 6] and all(r.ttft is not None and len(r.gaps) >= 1 for r in level.ok), route
     assert sorted(r.prompt_tokens for r in levels["responses"].ok) == sorted(r.prompt_tokens for r in levels["chat"].ok)  # done in any order
+
+
+async def test_nulls_pass_and_a_read_response_is_kept_longest(nursery, tiny_gguf):
+    """Fields sent as null ask for nothing (newer SDKs send many); reading
+    or continuing a stored response counts as using it: past the store's
+    count, the least recently used goes, not the oldest."""
+    settings = make_settings(tiny_gguf)
+    url = await start_server(nursery, attrs.evolve(settings, max_sessions=3))
+    with trio.fail_after(30):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            nulls = {"context_management": None, "moderation": None, "max_tokens": None, "include": None, "reasoning": None}
+            a, b, c = [await respond(client, input=f"turn {i}", max_output_tokens=2, **nulls) for i in range(3)]
+            assert (await client.get(f"/v1/responses/{a['id']}")).status_code == 200  # a is now the most recently used
+            await respond(client, input="next", max_output_tokens=2, previous_response_id=a["id"])
+            kept = {r["id"]: (await client.get(f"/v1/responses/{r['id']}")).status_code for r in (a, b, c)}
+    assert kept == {a["id"]: 200, b["id"]: 404, c["id"]: 200}

@@ -166,7 +166,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     async def cors(response: Response) -> Response:
         response.headers["Access-Control-Allow-Origin"] = "*"
         response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
-        response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         if state.phase == "draining":
             # Send clients elsewhere rather than back on this connection: a
             # client reusing it from its pool would meet a bare disconnect

@@ -40,7 +40,7 @@ import attrs
 import trio
 from quart import Response
 
-from trioserve.errors import RequestError
+from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, _entered
 from trioserve.http.errors import HTTPError, error_response, json_response, to_response
@@ -57,7 +57,23 @@ PASSED = (
     "seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
 )  # fmt: skip
 # Fields accepted and ignored: they ask for nothing this server does differently.
-IGNORED = ("reasoning", "include", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options", "max_tool_calls")
+IGNORED = (
+    "reasoning", "include", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+    "safety_identifier", "stream_options", "max_tool_calls",
+)  # fmt: skip
+# What this module reads itself.
+HANDLED = ("input", "instructions", "previous_response_id", "store", "tools", "tool_choice", "text", "max_output_tokens", "metadata", "truncation")
+# Chat fields a client may send here by habit: each is refused, naming what to send instead.
+CHAT_ONLY = {
+    "messages": "send input (a string or a list of items)",
+    "max_tokens": "send max_output_tokens",
+    "max_completion_tokens": "send max_output_tokens",
+    "response_format": "send text.format",
+    "n": "a response has one output; send n requests, or use /v1/chat/completions",
+    "logprobs": "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs",
+    "functions": "send tools",
+    "function_call": "send tool_choice",
+}
 # Fields refused whenever they ask for something (null, false, 0 or their default ask for nothing).
 REFUSED = {
     "background": "background responses are not supported; send stream true to read a long response as it comes",
@@ -66,7 +82,7 @@ REFUSED = {
     "top_logprobs": "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs",
 }
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = {"input_text", "output_text"}
+TEXT_PARTS = ("input_text", "output_text")
 
 
 def _refuse(field: str, message: str):
@@ -117,7 +133,7 @@ def _content_text(content: object, at: str, role: str) -> str | None:
         if kind == "refusal" and role == "assistant":
             texts.append(_string(part.get("refusal"), f"{where}.refusal"))
             continue
-        if kind not in TEXT_PARTS:
+        if not isinstance(kind, str) or kind not in TEXT_PARTS:
             _refuse(f"{where}.type", f"only text parts are supported ('input_text', 'output_text'), got {_got(kind)}")
         texts.append(_string(part.get("text"), f"{where}.text"))
     return "\n".join(texts)
@@ -138,7 +154,7 @@ def _input_messages(value: object) -> tuple[list[dict[str, Any]], list[str]]:
         at = f"input[{i}]"
         if not isinstance(item, dict):
             _refuse(at, f"expected an input item (an object), got {_got(item)}")
-        kind = item.get("type", "message" if "role" in item else None)
+        kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
@@ -284,6 +300,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False, 0, {}):
             _refuse(name, why)
+    _check_fields(body)
     truncation = body.get("truncation") or "disabled"
     if truncation != "disabled":
         _refuse("truncation", f"only 'disabled' is supported (a prompt too long for the model is refused, never cut), got {_got(truncation)}")
@@ -328,6 +345,21 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     )
 
 
+def _check_fields(body: dict[str, Any]) -> None:
+    """Refuse, by name, a field this API does not have (as OpenAI does) or
+    a chat field sent here by habit; null asks for nothing and passes."""
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in CHAT_ONLY:
+            _refuse(name, f"not a field of the Responses API; {CHAT_ONLY[name]}")
+        if name not in PASSED and name not in IGNORED and name not in HANDLED and name not in REFUSED:
+            _refuse(name[:64], "unknown field (docs/responses.md lists the fields this server takes)")
+    include = body.get("include")
+    if isinstance(include, list) and "message.output_text.logprobs" in include:
+        _refuse("include", "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs")
+
+
 def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "description": None, "parameters": None, "strict": None, **tool}
 
@@ -337,6 +369,13 @@ def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """The content part of a message (output_text) or reasoning item."""
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
 
 
 class OutputItems:
@@ -361,19 +400,15 @@ class OutputItems:
         index = len(self.items) - 1
         text = "".join(self._text)
         self._text = []
+        part = _part(item["type"], text)
+        item["content"] = [part]
         if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            item.update(status=status, content=[part])
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            return [
-                {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-                {"type": "response.content_part.done", **where, "part": part},
-                {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
-            ]
-        item.update(content=[{"type": "reasoning_text", "text": text}])
+            item["status"] = status
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
         return [
-            {"type": "response.reasoning_text.done", **where, "text": text},
+            {"type": done, **where, "text": text, **({"logprobs": []} if item["type"] == "message" else {})},
+            {"type": "response.content_part.done", **where, "part": part},
             {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
         ]
 
@@ -382,13 +417,9 @@ class OutputItems:
         self._open = item
         index = len(self.items) - 1
         events: list[dict] = [{"type": "response.output_item.added", "output_index": index, "item": dict(item)}]
-        if item["type"] == "message":
-            events.append(
-                {
-                    "type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                }
-            )  # fmt: skip
+        if item["type"] != "function_call":
+            part = {"item_id": item["id"], "output_index": index, "content_index": 0, "part": _part(item["type"], "")}
+            events.append({"type": "response.content_part.added", **part})
         return events
 
     def _extend(self, kind: str, text: str) -> list[dict]:
@@ -407,6 +438,7 @@ class OutputItems:
 
     def feed(self, delta: Delta) -> list[dict]:
         if delta.tool_call is not None:
+            self._waiting = ""  # whitespace before a call belongs to no message
             events = self._close("completed")
             call = delta.tool_call
             item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
@@ -440,14 +472,27 @@ class OutputItems:
         self._waiting = ""
         return events + self._close(status)
 
-    def message(self) -> dict[str, Any]:
-        """The assistant message the output is, as a conversation keeps it."""
-        text = "".join(part["text"] for item in self.items if item["type"] == "message" for part in item["content"])
-        kept: dict[str, Any] = {"role": "assistant", "content": text}
-        calls = [item for item in self.items if item["type"] == "function_call"]
-        if calls:
-            kept["tool_calls"] = [{"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-        return kept
+    def as_input(self) -> list[dict[str, Any]]:
+        """The output as the input items a client would send back with it:
+        messages and function calls (reasoning is never shown again)."""
+        out: list[dict[str, Any]] = []
+        for item in self.items:
+            if item["type"] == "message":
+                out.append({"type": "message", "role": "assistant", "content": item["content"]})
+            elif item["type"] == "function_call":
+                out.append({key: item[key] for key in ("type", "call_id", "name", "arguments")})
+        return out
+
+
+def as_history(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as a stored conversation keeps them: the messages their
+    input items would become (so continuing with previous_response_id
+    renders what sending the items back would); an output of reasoning
+    only is an empty assistant message."""
+    if not items:
+        return [{"role": "assistant", "content": ""}]
+    messages, _ = _input_messages(items)
+    return [message_dict(m) for m in parse_chat_request({"messages": messages}).messages]
 
 
 def usage_body(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
@@ -514,7 +559,7 @@ class ResponseJob(Connection):
         if self.req.store:
             self.store.create(
                 trio.current_time(), created=self.created, session_id=self.id,
-                messages=[*self.history, self.output.message()], record=body,
+                messages=[*self.history, *as_history(self.output.as_input())], record=body,
             )  # fmt: skip
         return body
 
@@ -568,10 +613,10 @@ def add_response_routes(app, state, body_reader, default_max_tokens, check_model
 
     def stored(response_id: str):
         try:
-            return store.get(response_id, trio.current_time())
+            return store.get(response_id, trio.current_time(), use=True)
         except SessionNotFound:
             raise HTTPError(
-                404, f"no response {response_id!r} (unknown, deleted, stored with store false, or evicted)",
+                404, f"no response {_short(response_id, 80)} (unknown, deleted, stored with store false, or evicted)",
                 param="previous_response_id", code="response_not_found",
             ) from None  # fmt: skip
 
@@ -585,7 +630,10 @@ def add_response_routes(app, state, body_reader, default_max_tokens, check_model
             history = [*earlier, *req.messages]
             head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
             chat = req.chat
-            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, head + history, chat.tools, chat.tool_choice)
+            try:
+                prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, head + history, chat.tools, chat.tool_choice)
+            except ChatTemplateError as exc:  # chat names messages; here they come from input (and earlier responses)
+                raise RequestError(f"input: the chat template rejected the conversation: {exc}", field="input") from None
             try:
                 params = sampling_params(chat, default_max_tokens=default_max_tokens(engine, prompt_ids, "input", settings.default_max_tokens))
                 guides = await compile_guides(engine, chat, 1)

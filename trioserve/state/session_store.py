@@ -59,7 +59,7 @@ class Session:
     # What a stored response keeps besides its conversation: its body, as
     # GET /v1/responses/{id} returns it (trioserve/http/responses.py).
     record: dict[str, Any] | None = None
-    record_bytes: int = 0  # the record's size as JSON, counted with the history
+    size: int = 0  # history_bytes(), kept up to date by the store (summing it again at every change grew with the history)
 
     @property
     def busy(self) -> bool:
@@ -73,8 +73,9 @@ class Session:
 
     def history_bytes(self) -> int:
         """The history's size as counted against the store's limit: message
-        text, plus the JSON of any tool calls."""
-        return self.record_bytes + sum(_message_bytes(m) for m in self.messages)
+        text, plus the JSON of any tool calls (and a stored response's record
+        as JSON)."""
+        return self.size
 
 
 def _message_bytes(message: Mapping[str, Any]) -> int:
@@ -125,6 +126,7 @@ class SessionStore:
         self.idle_s = idle_s
         self.max_history_bytes = max_history_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._bytes = 0  # the sum of every kept session's history_bytes()
         self.evicted = 0
         self.committed = 0
         self.cancelled = 0
@@ -151,19 +153,26 @@ class SessionStore:
         session = Session(
             session_id or f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed,
             messages=[dict(m) for m in messages], last_used=now, record=record,
-            record_bytes=len(json.dumps(record, ensure_ascii=False).encode()) if record is not None else 0,
         )  # fmt: skip
         if session.id in self._sessions:
             raise ValueError(f"a session {session.id!r} exists already")
+        session.size = sum(map(_message_bytes, session.messages))
+        if record is not None:
+            session.size += len(json.dumps(record, ensure_ascii=False).encode())
+        self._bytes += session.size
         self._sessions[session.id] = session
         self._enforce_count()
         return session
 
-    def get(self, session_id: str, now: float) -> Session:
+    def get(self, session_id: str, now: float, *, use: bool = False) -> Session:
+        """The session; with ``use`` it counts as used now (a stored
+        response read or continued), for idleness and eviction order."""
         self.expire(now)
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"no session {session_id!r} (unknown, deleted, or evicted after being idle)")
+        if use:
+            self._touch(session, now)
         return session
 
     def delete(self, session_id: str, now: float) -> None:
@@ -189,6 +198,9 @@ class SessionStore:
         if not lease.current:
             raise StaleTurn(f"session {session.id!r}: turn {lease.number} already ended; it cannot commit")
         session.messages.extend(dict(m) for m in turn.messages)
+        added = sum(map(_message_bytes, turn.messages))
+        session.size += added
+        self._bytes += added
         session.seed = turn.seed
         session.draw_index = turn.draw_end
         session.turns += 1
@@ -224,7 +236,7 @@ class SessionStore:
                 self.evicted += 1
 
     def _remove(self, session_id: str) -> None:
-        del self._sessions[session_id]
+        self._bytes -= self._sessions.pop(session_id).size
         if self.on_remove is not None:
             self.on_remove(session_id)
 
@@ -235,15 +247,12 @@ class SessionStore:
     def _enforce_count(self) -> None:
         """Evict idle sessions, least recently used first, while over the
         count or history-bytes limit."""
-        total = sum(s.history_bytes() for s in self._sessions.values()) if self.max_history_bytes is not None else 0
         for sid in list(self._sessions):
             over_count = len(self._sessions) > self.max_sessions
-            over_bytes = self.max_history_bytes is not None and total > self.max_history_bytes
+            over_bytes = self.max_history_bytes is not None and self._bytes > self.max_history_bytes
             if not (over_count or over_bytes):
                 return
-            session = self._sessions[sid]
-            if not session.busy:
-                total -= session.history_bytes() if self.max_history_bytes is not None else 0
+            if not self._sessions[sid].busy:
                 self._remove(sid)
                 self.evicted += 1
 
