@@ -428,3 +428,30 @@ async def test_a_forced_call_with_a_response_format_is_a_call(server):
     assert choice["finish_reason"] == "tool_calls", choice
     jsonschema.validate(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]), WEATHER["function"]["parameters"])
     assert_error(refused, 400, fragment="cannot be combined with a tool_choice that forces a call", param="guided_regex")
+
+
+@pytest.mark.parametrize(
+    ("reply", "role_content", "n"),
+    [
+        (r'<tool_call>\{"name":"get_time","arguments":\{"zone":"utc"\}\}</tool_call>', None, 1),
+        (r"Sunny in Oslo\.", "", 1),
+        (r'<tool_call>\{"name":"get_time","arguments":\{"zone":"utc"\}\}</tool_call>', None, 2),
+    ],
+    ids=["call", "text", "call-n2"],
+)
+async def test_under_auto_each_choice_opens_as_openai_does(server, reply, role_content, n):
+    """Tools offered under auto: a choice's first chunk is its role chunk,
+    sent with its first output: content null before a call, "" before
+    text (issue #13); then the call, or the text, follows."""
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "guided_regex": reply, "max_tokens": 100, "temperature": 0, "stream": True, "n": n}
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            sse = await read_sse(response)
+    for index in range(n):
+        deltas = [c["delta"] for c in sse.choice_chunks(index)]
+        assert deltas[0] == {"role": "assistant", "content": role_content}, deltas[:2]
+        assert all("role" not in d for d in deltas[1:])
+        if role_content is None:
+            assert deltas[1]["content"] is None and deltas[1]["tool_calls"][0]["function"]["name"] == "get_time"
+        else:
+            assert "".join(d.get("content") or "" for d in deltas) == "Sunny in Oslo."

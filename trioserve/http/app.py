@@ -67,6 +67,7 @@ class ServerState:
         """Give ``job``'s chat choices an output parser when there is
         anything to split out: tool calls (tools offered) or reasoning."""
         calls = tools_offered(tools, choice)
+        job.calls_possible = calls
         if calls or self.reasoning:
             suffix = re.split("[-_]", job.id)[-1][:12]  # the id's random part (chatcmpl-..., resp_...)
             job.parser_factory = lambda i: OutputParser(tools=calls, reasoning=self.reasoning, call_id_prefix=f"call_{suffix}{i}")

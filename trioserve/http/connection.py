@@ -56,7 +56,13 @@ class Connection:
         # The role chunk's content: "" (text may follow), None when the reply
         # can only be tool calls (a forcing tool_choice), as OpenAI sends.
         self.role_content: str | None = ""
-        self._text_offsets: dict[int, int] = {}  # streamed completions: each choice's next token's text_offset
+        # Tools offered under auto: the reply may be text or a call, so each
+        # choice's role chunk waits for its first output (content "" before
+        # text, None before a call, as OpenAI sends). A session turn's goes
+        # at once (its actor opens the stream on the role chunk).
+        self.calls_possible = False
+        self._text_offsets: dict[int, int] = {}
+        self._role_pending: set[int] = set()  # chat choices whose role chunk waits for their first output  # streamed completions: each choice's next token's text_offset
         # Makes each chat choice's output parser (tool calls, reasoning), or None.
         self.parser_factory: Callable[[int], OutputParser | None] | None = None
         # Called with choice 0 right before its final response goes out
@@ -181,8 +187,10 @@ class Connection:
         completion_tokens = 0
         firsts: list[FinalEvent] = []  # each prompt's first choice's end, for usage's cached tokens
         reasoning = 0  # usage's reasoning tokens, summed over the choices as each ends
+        defer = self.kind == "chat" and self.calls_possible and self.role_content == "" and self.retain is None
+        self._role_pending = set(range(self.n)) if defer else set()
         async with _entered(first):
-            if self.kind == "chat":
+            if self.kind == "chat" and not defer:
                 for i in range(self.n):
                     yield openai.sse(openai.chat_chunk(self.id, self.created, self.model, i, {"role": "assistant", "content": self.role_content}))
             elif self.echo:
@@ -227,6 +235,14 @@ class Connection:
     def _render(self, choice: openai.Choice, event, deltas):
         """SSE chunks for one event of ``choice``, whose certain output is
         ``deltas``; each with the completion tokens it finishes."""
+        chunks = list(self._chunks(choice, event, deltas))
+        if chunks and choice.index in self._role_pending:  # this choice's first chunk: its role goes first
+            self._role_pending.discard(choice.index)
+            content = None if deltas and deltas[0].tool_call is not None else ""
+            chunks.insert(0, (openai.sse(openai.chat_chunk(self.id, self.created, self.model, choice.index, {"role": "assistant", "content": content})), 0))
+        return chunks
+
+    def _chunks(self, choice: openai.Choice, event, deltas):
         tok = self.engine.tokenizer
         index = choice.index
         if isinstance(event, FinalEvent):
