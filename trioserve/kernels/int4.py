@@ -108,19 +108,19 @@ MOST_TILES_PER_CALL = 4
 
 
 @functools.cache
-def prompt_tiles_per_call(n: int, k: int, dtype: torch.dtype, with_bias: bool, threads: int) -> int:
+def prompt_tiles_per_call(n: int, k: int, dtype: torch.dtype, with_bias: bool, threads: int, device: str = "cpu") -> int:
     """How many PROMPT_TILE-row tiles one F.linear call of an [n, k] weight
     may take and still round every row as single-tile calls do, on this
-    machine with this many threads: 1 to MOST_TILES_PER_CALL, checked once
-    on random values (a call of 2, 3 or 4 tiles against the tiles one at a
+    machine's ``device`` (a GPU's matmuls are checked on the GPU) with this
+    many threads: 1 to MOST_TILES_PER_CALL, checked once on random values (a call of 2, 3 or 4 tiles against the tiles one at a
     time, every output compared). On torch 2.13's CPU kernels with bf16 all
     of 128-640 rows agree for SmolLM2's four shapes, and one call of 512
     rows is ~20% faster than four of 128 (bench/README.md); where they do
     not agree, tiles stay single."""
     gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-    bias = (torch.randn(n, generator=gen) * 0.05).to(dtype) if with_bias else None
-    x = torch.randn(MOST_TILES_PER_CALL * PROMPT_TILE, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
+    bias = (torch.randn(n, generator=gen) * 0.05).to(device, dtype) if with_bias else None
+    x = torch.randn(MOST_TILES_PER_CALL * PROMPT_TILE, k, generator=gen).to(device, dtype)
     single = torch.cat([F.linear(x[s : s + PROMPT_TILE], weight, bias) for s in range(0, x.shape[0], PROMPT_TILE)])
     agreed = 1
     for count in range(2, MOST_TILES_PER_CALL + 1):
@@ -199,7 +199,7 @@ class Projection:
             parts.append(self._int4(decode) if self.packed is not None else tiled_linear(decode, self.weight, self.bias))
         if prompt.shape[0]:
             n, k = self.weight.shape
-            joined = prompt_tiles_per_call(n, k, self.weight.dtype, self.bias is not None, torch.get_num_threads())
+            joined = prompt_tiles_per_call(n, k, self.weight.dtype, self.bias is not None, torch.get_num_threads(), str(self.weight.device))
             parts.append(tiled_linear(prompt, self.weight, self.bias, PROMPT_TILE, joined))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
