@@ -69,17 +69,25 @@ def test_a_row_is_the_same_bits_in_any_company_padding_or_thread_split(dtype):
     assert torch.equal(out, together[picked])
 
 
-def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype):
-    """Three prompt chunks: one from position 0, one after a cached prefix
-    (a prefix-cache hit), one of a single token; blocks scattered."""
-    specs = [(0, 37), (2 * block_size + 3, 21), (50, 1)]
-    num_blocks = sum(-(-(start + n) // block_size) for start, n in specs) + 5
+def scattered_prompt_chunks(gen, specs, block_size: int, spare: int) -> tuple[list[SeqChunk], int]:
+    """Prompt chunks of (start, tokens) ``specs`` over blocks taken in a
+    random order from a pool with ``spare`` blocks more than they need:
+    (the chunks, the pool's size)."""
+    num_blocks = sum(-(-(start + n) // block_size) for start, n in specs) + spare
     order = torch.randperm(num_blocks, generator=gen).tolist()
     chunks, used = [], 0
     for start, n in specs:
         nb = -(-(start + n) // block_size)
         chunks.append(SeqChunk(list(range(1, n + 1)), start, order[used : used + nb]))
         used += nb
+    return chunks, num_blocks
+
+
+def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype):
+    """Three prompt chunks: one from position 0, one after a cached prefix
+    (a prefix-cache hit), one of a single token; blocks scattered."""
+    specs = [(0, 37), (2 * block_size + 3, 21), (50, 1)]
+    chunks, num_blocks = scattered_prompt_chunks(gen, specs, block_size, spare=5)
     rows = sum(n for _, n in specs)
     k = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
     v = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.test_native import scattered_prompt_chunks
 from trioserve.kernels import reference
 from trioserve.kernels.gpu import attention
 from trioserve.models.step import SeqChunk, build_step
@@ -137,13 +138,7 @@ def _prompt_case(gen, *, block_size):
     chunk of keys), one after a cached prefix (a prefix-cache hit), one of
     a single token; blocks scattered."""
     specs = [(0, 70), (2 * block_size + 3, 21), (50, 1)]
-    num_blocks = sum(-(-(start + n) // block_size) for start, n in specs) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    chunks, used = [], 0
-    for start, n in specs:
-        nb = -(-(start + n) // block_size)
-        chunks.append(SeqChunk(list(range(1, n + 1)), start, order[used : used + nb]))
-        used += nb
+    chunks, num_blocks = scattered_prompt_chunks(gen, specs, block_size, spare=3)
     return chunks, num_blocks, sum(n for _, n in specs)
 
 
