@@ -236,6 +236,8 @@ async def test_stored_responses_are_kept_read_and_deleted_and_store_false_keeps_
             assert "DELETE" in deleted.headers["access-control-allow-methods"]  # a browser page may delete, too
             after_delete = await client.post("/v1/responses", json={"input": "two", "previous_response_id": kept["id"]})
             unknown = await client.get("/v1/responses/resp_nothing")
+            stored = (await client.get("/metrics")).json()["responses"]
+    assert stored == {"active": 0, "evicted": 0}, stored  # one deleted, one never kept
     for response in (after_unkept, after_delete):
         assert_error(response, 404, fragment="no response 'resp_", param="previous_response_id", code="response_not_found")
     assert_error(unknown, 404, fragment="no response 'resp_nothing'", param=None, code="response_not_found")

@@ -529,7 +529,7 @@ async def test_queue_full_gets_429(nursery, tiny_gguf, slow_steps):
 
 METRIC_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "steps", "prompt_tokens",
-    "generated_tokens", "finished", "queue_wait", "ttft", "inter_token", "end_to_end", "dead", "prefix_cache", "sessions",
+    "generated_tokens", "finished", "queue_wait", "ttft", "inter_token", "end_to_end", "dead", "prefix_cache", "sessions", "responses",
     "batch_invariant", "speculative",
 }
 

@@ -213,6 +213,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             return json_response({"status": state.phase})
         body = _stats_body(engine)
         body["sessions"] = state.sessions.stats()
+        body["responses"] = {k: v for k, v in state.responses.stats().items() if k in ("active", "evicted")}  # stored ones
         return json_response(body)
 
     @app.route("/metrics/prometheus")
