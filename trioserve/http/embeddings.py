@@ -191,18 +191,19 @@ async def embed_all(engine, prompts: Sequence[list[int]], window: int) -> list[F
 
 
 def response_body(finals: Sequence[FinalEvent], encoding: str, model: str) -> str:
-    """OpenAI's response, as JSON text."""
-    data = []
+    """OpenAI's response, as JSON text. Written one vector at a time, so a
+    request of many inputs never holds a second copy of all its vectors."""
+    items = []
     for i, final in enumerate(finals):
         vector = final.embedding
         if encoding == "base64":
             value: object = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
         else:
-            value = list(vector)
-        data.append({"object": "embedding", "index": i, "embedding": value})
+            value = vector
+        items.append(json.dumps({"object": "embedding", "index": i, "embedding": value}))
     tokens = sum(f.usage.prompt_tokens for f in finals)
-    body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    return json.dumps(body)
+    tail = json.dumps({"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return '{"object": "list", "data": [' + ", ".join(items) + "], " + tail[1:]
 
 
 def add_embedding_routes(app, state, body_reader, check_model) -> None:
