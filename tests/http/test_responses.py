@@ -388,3 +388,31 @@ async def test_nulls_pass_and_a_read_response_is_kept_longest(nursery, tiny_gguf
             await respond(client, input="next", max_output_tokens=2, previous_response_id=a["id"])
             kept = {r["id"]: (await client.get(f"/v1/responses/{r['id']}")).status_code for r in (a, b, c)}
     assert kept == {a["id"]: 200, b["id"]: 404, c["id"]: 200}
+
+
+async def test_a_fault_mid_stream_ends_in_response_failed_and_keeps_nothing(server, monkeypatch):
+    """The model faults (here: its forward pass raises on the fourth step,
+    as a device error would): the stream ends with a well-formed
+    response.failed whose error says why, and nothing is stored."""
+    from trioserve.models.llama import LlamaModel
+
+    real, calls = LlamaModel.forward, []
+
+    def faulty(self, batch, cache):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("the device fell over")
+        return real(self, batch, cache)
+
+    monkeypatch.setattr(LlamaModel, "forward", faulty)
+    body = {"model": MODEL_NAME, "input": "Tell me a story.", "max_output_tokens": 50, "ignore_eos": True, "stream": True}
+    with trio.fail_after(30):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            async with client.stream("POST", "/v1/responses", json=body) as response:
+                events = await read_events(response)
+            gone = await client.get(f"/v1/responses/{events[0]['response']['id']}")
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed", last
+    assert "the device fell over" in last["response"]["error"]["message"], last["response"]["error"]
+    assert [e["type"] for e in events].count("response.output_text.delta") >= 1  # it failed mid-reply
+    assert_error(gone, 404, fragment="no response", param=None, code="response_not_found")

@@ -61,8 +61,8 @@ class Connection:
         # text, None before a call, as OpenAI sends). A session turn's goes
         # at once (its actor opens the stream on the role chunk).
         self.calls_possible = False
-        self._text_offsets: dict[int, int] = {}
-        self._role_pending: set[int] = set()  # chat choices whose role chunk waits for their first output  # streamed completions: each choice's next token's text_offset
+        self._text_offsets: dict[int, int] = {}  # streamed completions: each choice's next token's text_offset
+        self._role_pending: set[int] = set()  # chat choices whose role chunk waits for their first output
         # Makes each chat choice's output parser (tool calls, reasoning), or None.
         self.parser_factory: Callable[[int], OutputParser | None] | None = None
         # Called with choice 0 right before its final response goes out

@@ -43,7 +43,7 @@ from quart import Response
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, _entered
-from trioserve.http.errors import HTTPError, error_response, json_response, to_response
+from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.schemas import ChatCompletionRequest, _got, _short, parse_chat_request, sampling_params
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.models.output_parser import Delta
@@ -595,8 +595,8 @@ class ResponseJob(Connection):
                 if not isinstance(event, FinalEvent):
                     continue
                 if event.finish_reason == "error":
-                    _, body, _ = to_response(self.failure(event))
-                    error = {"code": body["error"].get("code") or "server_error", "message": body["error"]["message"]}
+                    failure = self.failure(event)
+                    error = {"code": failure.code or "server_error", "message": str(failure)}
                     self.output.finish("incomplete")
                     yield self._event({"type": "response.failed", "response": self.resource("failed", choice, error)})
                     return
@@ -611,13 +611,15 @@ def add_response_routes(app, state, body_reader, default_max_tokens, check_model
     settings = state.settings
     store = SessionStore(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes)
 
-    def stored(response_id: str):
+    def stored(response_id: str, param: str | None = "previous_response_id"):
+        """The stored response, used now; else a 404 naming ``param`` (none
+        when the id came in the path)."""
         try:
             return store.get(response_id, trio.current_time(), use=True)
         except SessionNotFound:
             raise HTTPError(
                 404, f"no response {_short(response_id, 80)} (unknown, deleted, stored with store false, or evicted)",
-                param="previous_response_id", code="response_not_found",
+                param=param, code="response_not_found",
             ) from None  # fmt: skip
 
     @app.route("/v1/responses", methods=["POST"])
@@ -649,25 +651,16 @@ def add_response_routes(app, state, body_reader, default_max_tokens, check_model
     @app.route("/v1/responses/<response_id>", methods=["GET"])
     async def read_response(response_id: str) -> Response:
         try:
-            return json_response(_not_named(stored, response_id).record)
+            return json_response(stored(response_id, None).record)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
     @app.route("/v1/responses/<response_id>", methods=["DELETE"])
     async def delete_response(response_id: str) -> Response:
         try:
-            store.delete(_not_named(stored, response_id).id, trio.current_time())
+            store.delete(stored(response_id, None).id, trio.current_time())
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     return store
-
-
-def _not_named(stored, response_id: str):
-    """A stored response read by its path: a 404 naming no request field."""
-    try:
-        return stored(response_id)
-    except HTTPError as exc:
-        exc.param = None
-        raise
