@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, batch_invariant_setting, kernels_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, kernels_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="what runs the forward pass's operations: auto (Triton on CUDA, the C kernels on a CPU where they build), "
         "reference (torch) or triton (default: $TRIOSERVE_KERNELS, else auto)",
+    )
+    srv.add_argument(
+        "--activations",
+        choices=ACTIVATION_CHOICES,
+        default=None,
+        help="how generated tokens' 4-bit projections take their inputs: bf16, or int8 (rounded per block of 32, "
+        "integer dot products: llama.cpp's arithmetic, faster); auto = int8 where the CPU has AVX-512 VNNI, else bf16 "
+        "(default: $TRIOSERVE_ACTIVATIONS, else auto)",
     )
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
@@ -294,6 +302,7 @@ def _serve(args: argparse.Namespace) -> int:
         speculative_tokens=args.speculative_tokens,
         embedding_pooling=args.embedding_pooling,
         kernels=args.kernels or kernels_setting(os.environ),
+        activations=args.activations or activations_setting(os.environ),
     )
     settings = ServerSettings(
         engine=engine,

@@ -247,7 +247,7 @@ async def open_engine(
             model = await device.run(
                 lambda: LlamaModel.from_checkpoint(
                     checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
-                    kernels=config.kernels,
+                    kernels=config.kernels, activations=config.activations,
                 )
             )
         elif model.batch_invariant != config.batch_invariant:
@@ -289,7 +289,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     core = new_core(settings, checkpoint.tokenizer)
     writer = None
     if config.record_dir is not None:
-        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings)
+        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings, model.kernels.activations)
         core = Recording(core, writer)
     worker_send, worker_recv = trio.open_memory_channel[StepRequest](1)
     sampler_send, sampler_recv = trio.open_memory_channel[SampleRequest](1)
@@ -313,16 +313,21 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
             writer.close()  # however the engine ends; every line is flushed already
 
 
-def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings) -> TraceWriter:
+def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, activations: str) -> TraceWriter:
     """A new trace file in config.record_dir, its header written (blocking:
-    hashes the checkpoint)."""
+    hashes the checkpoint). ``activations``: the model's, resolved."""
     head = header(
         settings,
         checkpoint_path=str(checkpoint.path),
         digest=checkpoint_digest(checkpoint.path),
         # "auto" resolved: the dtype this machine chose (kernels/cpu.py), so
         # a replay elsewhere loads the weights as this run did.
-        engine={**attrs.asdict(config), "dtype": str(checkpoint.weights["model.embed_tokens.weight"].dtype).removeprefix("torch.")},
+        # So are the activations (int8 where this CPU has VNNI).
+        engine={
+            **attrs.asdict(config),
+            "dtype": str(checkpoint.weights["model.embed_tokens.weight"].dtype).removeprefix("torch."),
+            "activations": activations,
+        },
         vocab_size=checkpoint.tokenizer.vocab_size,
     )
     return TraceWriter(new_trace_path(config.record_dir), head)

@@ -262,11 +262,13 @@ def model_runner(head: dict, source) -> StepRunner:
 
     engine, core = head["engine"], head["core"]
     checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"], engine["device"]))
-    # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic.
+    # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic;
+    # traces from before --activations ran bf16 activations.
     invariant = bool(engine.get("batch_invariant", False))
     model = LlamaModel.from_checkpoint(
-        checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto")
-    )
+        checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto"),
+        activations=engine.get("activations", "bf16"),
+    )  # fmt: skip
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
     guides = GuideCompiler(checkpoint.tokenizer)
     vocab = checkpoint.tokenizer.vocab_size

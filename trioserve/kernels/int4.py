@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import native
+from trioserve.kernels import native, reference
 
 GROUP = 32
 
@@ -156,16 +156,39 @@ class Projection:
     kernels/cpu.py) the int4 rows are cast to bf16 and back: the same
     arithmetic a bf16 model's generated tokens get."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Parts | None = None, *, use_native: bool = True):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        int4: Int4Parts | None = None,
+        *,
+        use_native: bool = True,
+        activations: str = "bf16",
+    ):
         """``use_native``: the C kernel where it takes the shape (else, and
-        when false, torch's CPU int4 op)."""
+        when false, torch's CPU int4 op). ``activations``: "bf16", or "int8"
+        for the 4-bit rows' inputs rounded to 8 bits per block of 32
+        (`native.int4_q8_matmul`, or its torch twin where the C kernel does
+        not run or ``use_native`` is false)."""
+        if activations not in ("bf16", "int8"):
+            raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
         self.weight = weight
         self.bias = bias
         self.packed = None
         self.native = None
+        self.activations = activations
+        self.q8_twin = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
             return
-        if use_native and native.int4_supported(*int4.q.shape):
+        if activations == "int8":
+            if use_native and native.int4_q8_supported(*int4.q.shape):
+                self.native = native.pack_int4_q8(int4)
+                self.packed = self.native.packed
+            else:
+                d = int4.scale.float()
+                self.q8_twin = (int4.q, d, (int4.zero.float() - 8 * d).half().float())
+                self.packed = int4.q
+        elif use_native and native.int4_supported(*int4.q.shape):
             # The C kernel (kernels/native.py): faster, and exact products
             # of the bf16 inputs with the 4-bit codes, where torch's op
             # rounds the scale and zero to bf16.
@@ -205,7 +228,10 @@ class Projection:
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
-            y = native.int4_matmul(self.native, x.contiguous(), checked=False)
+            matmul = native.int4_q8_matmul if self.native.q8 else native.int4_matmul
+            y = matmul(self.native, x.contiguous(), checked=False)
+        elif self.q8_twin is not None:
+            y = reference.int4_q8_matmul(*self.q8_twin, x).to(x.dtype)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_zeros)
             y = y.to(x.dtype)

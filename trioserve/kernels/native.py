@@ -128,6 +128,11 @@ def library() -> ctypes.CDLL | None:
     fn = lib.trioserve_int8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
+    lib.trioserve_int4_q8_available.restype = ctypes.c_int
+    lib.trioserve_int4_q8_available.argtypes = []
+    fn = lib.trioserve_int4_q8_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
     return lib
 
 
@@ -317,6 +322,8 @@ class Int4Pack:
     scales: torch.Tensor
     n: int
     k: int
+    # True for `int4_q8_matmul`'s layout (tiles of 16 outputs, quads of inputs), written by `pack_int4_q8`.
+    q8: bool = False
 
 
 def _bf16_kernels() -> bool:
@@ -338,6 +345,39 @@ def int8_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 32 == 0 and k % 2 == 0 and _bf16_kernels()
 
 
+def int4_q8_supported(n: int, k: int) -> bool:
+    """Whether `int4_q8_matmul` runs here for a [n, k] weight: the kernels
+    built, for a CPU with AVX-512 VNNI and BF16, n a multiple of 16 and k
+    of 32."""
+    lib = library()
+    return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int4_q8_available())
+
+
+def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:
+    """A 4-bit weight's blocks as w = q d + m: d = scale and
+    m = zero - 8 scale, GGUF's own f16 minimum (Q4_1) or -8 d (Q4_0), both
+    exact in f16. [N, K/32] fp32 each."""
+    d = parts.scale.numpy().astype(np.float32)
+    return d, parts.zero.numpy().astype(np.float32) - 8 * d
+
+
+def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
+    """Lay out unpacked 4-bit codes for `int4_q8_matmul` (the C source's
+    comment above `trioserve_int4_q8_matmul` draws it)."""
+    q = parts.q.numpy()
+    n, k = q.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"int4_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    nb = k // 32
+    codes = q.reshape(n // 16, 16, nb, 2, 4, 4)  # tile, column, block, half, quad, e
+    bytes_ = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).astype(np.uint8)
+    packed = np.ascontiguousarray(bytes_.transpose(0, 2, 3, 1, 4))  # tile, block, quad, column, e
+    d, m = _blocks_d_m(parts)
+    both = np.stack([d, m]).astype(np.float16).reshape(2, n // 16, 16, nb)  # which, tile, column, block
+    scales = np.ascontiguousarray(both.transpose(1, 3, 0, 2))  # tile, block, which, column
+    return Int4Pack(torch.from_numpy(packed.reshape(-1)), torch.from_numpy(scales.reshape(-1).view(np.uint16)), n, k, q8=True)
+
+
 def pack_int4(parts: Int4Parts) -> Int4Pack:
     """Lay out unpacked 4-bit codes (`Int4Parts`: w = (q - 8) scale + zero)
     for `int4_matmul`, whose blocks hold w = q d + m: d = scale and
@@ -352,8 +392,7 @@ def pack_int4(parts: Int4Parts) -> Int4Pack:
     codes = q.reshape(n // 32, 2, 16, nb, 2, 8, 2)
     bytes_ = (codes[:, :, :, :, 0] | (codes[:, :, :, :, 1] << 4)).astype(np.uint8)
     packed = np.ascontiguousarray(bytes_.transpose(0, 3, 1, 4, 2, 5))  # panel, block, tile, chunk, column, t
-    d = parts.scale.numpy().astype(np.float32)
-    m = parts.zero.numpy().astype(np.float32) - 8 * d
+    d, m = _blocks_d_m(parts)
     both = np.stack([d, m]).astype(np.float16).reshape(2, n // 32, 2, 16, nb)  # which, panel, tile, column, block
     scales = np.ascontiguousarray(both.transpose(1, 4, 2, 0, 3))  # panel, block, tile, which, column
     return Int4Pack(torch.from_numpy(packed.reshape(-1)), torch.from_numpy(scales.reshape(-1).view(np.uint16)), n, k)
@@ -373,19 +412,34 @@ def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, 
     source says how); it equals x (rounded to bf16) times the dequantized
     weights up to fp32 summation. ``checked=False``: as for
     `decode_attention` (x contiguous, bfloat16 or float32, K columns)."""
+    return _int4_call("int4_matmul", pack, x, threads, checked)
+
+
+def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
+    """As `int4_matmul`, for a `pack_int4_q8` weight, with each row's inputs
+    rounded to 8 bits per block of 32 (the C source says how; its torch
+    twin is kernels/reference.py `int4_q8_matmul`): [R, N] in x's dtype,
+    each row's result from that row alone."""
+    return _int4_call("int4_q8_matmul", pack, x, threads, checked)
+
+
+def _int4_call(name: str, pack: Int4Pack, x: torch.Tensor, threads: int | None, checked: bool) -> torch.Tensor:
+    """Run the 4-bit kernel ``name`` (its layout must be the pack's)."""
     lib = _lib()
+    if pack.q8 != (name == "int4_q8_matmul"):
+        raise RuntimeError(f"{name} was given a weight packed for the other 4-bit kernel")
     if checked:
         if x.dim() != 2 or x.shape[1] != pack.k:
-            raise RuntimeError(f"int4_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
+            raise RuntimeError(f"{name}: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
         x = x.contiguous()
         _float_kind(x)
     bf16 = int(x.dtype == torch.bfloat16)
     out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
-    code = lib.trioserve_int4_matmul(
+    code = getattr(lib, f"trioserve_{name}")(
         pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
         bf16, bf16, threads or torch.get_num_threads(),
     )  # fmt: skip
-    _check_matmul(code, "int4_matmul", pack.n, pack.k)
+    _check_matmul(code, name, pack.n, pack.k)
     return out
 
 

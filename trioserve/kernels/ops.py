@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from trioserve.config import KERNEL_CHOICES
+from trioserve.config import ACTIVATION_CHOICES, KERNEL_CHOICES
 from trioserve.kernels import reference
 from trioserve.kernels.int4 import Int4Parts, Projection
 
@@ -33,12 +33,16 @@ class Kernels:
     # Attention reads the pool where it lies (no gathered copy of K and V),
     # for every group: the model then needs no gather buffers.
     reads_in_place = False
+    # How generated tokens' 4-bit rows take their inputs: "bf16" or "int8"
+    # (`--activations`, resolved by `select_kernels`).
+    activations = "bf16"
 
     def projection(self, weight: torch.Tensor, bias: torch.Tensor | None, int4: Int4Parts | None) -> Projection:
         """A projection y = x W^T (+ bias) whose generated tokens' rows use
         the 4-bit codes ``int4`` where given (kernels/int4.Projection):
-        here torch's CPU int4 op, on a CPU, for bf16 or float32 weights."""
-        return Projection(weight, bias, int4, use_native=False)
+        here torch's CPU int4 op (or, with int8 activations, the torch twin
+        of the C kernel), on a CPU, for bf16 or float32 weights."""
+        return Projection(weight, bias, int4, use_native=False, activations=self.activations)
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
         """fp32 rows ``h`` [T, n] normed with the fp32 ``weight`` [n], cast to ``dtype``."""
@@ -100,14 +104,16 @@ class NativeKernels(Kernels):
 
     name = "native"
 
-    def __init__(self, attention_in_c: bool) -> None:
+    def __init__(self, attention_in_c: bool, activations: str = "bf16") -> None:
         from trioserve.kernels import native
 
         self._native = native
         self.reads_in_place = attention_in_c
+        self.activations = activations
 
     def projection(self, weight, bias, int4):
-        return Projection(weight, bias, int4)  # the C int4 kernel where it takes the shape
+        # The C 4-bit kernel for the activations where it takes the shape.
+        return Projection(weight, bias, int4, activations=self.activations)
 
     def rms_norm(self, h, weight, eps, dtype):
         return self._native.rms_norm(h.contiguous(), weight, eps, dtype, checked=False)
@@ -194,20 +200,34 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
-def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Kernels:
+def select_kernels(
+    choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, activations: str = "bf16"
+) -> Kernels:
     """The kernel set ``choice`` (auto, reference or triton) means for a
-    model of ``dtype`` on ``device``. ValueError, saying why, for triton
-    where it cannot run."""
+    model of ``dtype`` on ``device``, with generated tokens' 4-bit rows
+    taking ``activations`` (auto, bf16 or int8: auto is int8 where the C
+    kernel for it runs, else bf16). ValueError, saying why, for triton
+    where it cannot run, and for int8 activations on the Triton kernels."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
-    if choice == "reference":
-        return Kernels()
+    if activations not in ACTIVATION_CHOICES:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         if device.type != "cuda" and not _interpreted():
             raise ValueError(f"--kernels triton needs a CUDA device (this model is on {device.type}); TRITON_INTERPRET=1 runs them on a CPU, very slowly, for tests")
+        if activations == "int8":
+            raise ValueError("--activations int8 runs on a CPU (the C kernel or its torch twin); the Triton kernels take bf16 activations")
         return TritonKernels()
     from trioserve.kernels import native
 
+    if activations == "auto":
+        activations = "int8" if device.type == "cpu" and native.int4_q8_supported(16, 32) else "bf16"
+    if choice == "reference":
+        kernels = Kernels()
+        kernels.activations = activations
+        return kernels
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None:
-        return NativeKernels(attention_in_c=native.supports(heads, kv_heads, head_dim))
-    return Kernels()
+        return NativeKernels(attention_in_c=native.supports(heads, kv_heads, head_dim), activations=activations)
+    kernels = Kernels()
+    kernels.activations = activations
+    return kernels

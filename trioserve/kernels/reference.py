@@ -224,3 +224,38 @@ def fixed_order_attention(
             partial = torch.cat([partial, partial.new_zeros(partial[:, :, :1].shape)], dim=2)
         partial = partial[:, :, 0::2] + partial[:, :, 1::2]
     return _heads_back(partial[:, :, 0].to(q.dtype), q.shape)
+
+
+def q8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows x [R, K] (rounded to bf16 first) as 8-bit blocks of 32, as the C
+    kernel `int4_q8_matmul` makes them: xq [R, K/32, 32] (round(x 127 / amax),
+    half to even, in -127..127, as fp32), xd = amax / 127 and xs, the
+    block's exact sum in the kernel's order (lane i plus lane 16 + i, then
+    halves folded), each [R, K/32] fp32."""
+    rows, k = x.shape
+    xb = x.to(torch.bfloat16).float().view(rows, k // 32, 32)
+    amax = xb.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None]).clamp_(-127, 127)
+    s = xb[..., :16] + xb[..., 16:]
+    for width in (8, 4, 2, 1):
+        s = s[..., :width] + s[..., width : 2 * width]
+    return xq, amax / 127.0, s[..., 0]
+
+
+def int4_q8_matmul(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The twin of the C kernel `int4_q8_matmul`: x [R, K] times the 4-bit
+    weight w = q d + m (q [N, K] in 0..15; d, m [N, K/32] fp32, f16 values)
+    transposed, with x in 8-bit blocks (`q8_blocks`): per block the exact
+    integer sum of codes times bytes, then acc += sum (d xd) and
+    acc += m xs, blocks in order. [R, N] fp32; it differs from the kernel
+    only where the kernel fuses a multiply-add (one rounding, not two)."""
+    xq, xd, xs = q8_blocks(x)
+    n, k = q.shape
+    # Exact: |sum| <= 32 * 15 * 127, far inside float64's integers.
+    sums = torch.einsum("rbj,nbj->rnb", xq.double(), q.view(n, k // 32, 32).double()).float()
+    acc = torch.zeros(x.shape[0], n)
+    for b in range(k // 32):
+        acc = acc + sums[:, :, b] * (d[None, :, b] * xd[:, None, b])
+        acc = acc + m[None, :, b] * xs[:, None, b]
+    return acc

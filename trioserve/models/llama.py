@@ -79,6 +79,7 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         kernels: str = "auto",
+        activations: str = "auto",
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -90,7 +91,9 @@ class LlamaModel:
         then be built with ``build_step(..., fixed=True)``.
 
         ``kernels``: which implementation runs each operation (auto,
-        reference or triton: kernels/ops.py)."""
+        reference or triton: kernels/ops.py). ``activations``: how the 4-bit
+        rows take their inputs (auto, bf16 or int8: `select_kernels`; the
+        resolved choice is ``self.kernels.activations``)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -99,7 +102,9 @@ class LlamaModel:
         # Every operation runs through this seam: on CPU the C kernels where
         # they build (attention row by row, reading the pool in place, for
         # the head shapes they take), on CUDA the Triton ones.
-        self.kernels: Kernels = select_kernels(kernels, self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.kernels: Kernels = select_kernels(
+            kernels, self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim, activations
+        )
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device).contiguous()
@@ -157,9 +162,13 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         kernels: str = "auto",
+        activations: str = "auto",
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
-        return cls(checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels)
+        return cls(
+            checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
+            activations=activations,
+        )  # fmt: skip
 
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token_element * self.embed.element_size()

@@ -81,7 +81,7 @@ def test_generated_tokens_take_the_triton_4_bit_kernel(tiny_checkpoints):
 
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32)
     triton_model = LlamaModel.from_checkpoint(ckpt, kernels="triton", device=DEVICE)
-    cpu_model = LlamaModel.from_checkpoint(ckpt)
+    cpu_model = LlamaModel.from_checkpoint(ckpt, activations="bf16")  # the Triton kernel's bf16 activations
     layer = triton_model.layers[0]
     assert isinstance(layer.qkv, TritonProjection) and layer.qkv.packed is not None
     models = {"triton": (triton_model, DEVICE), "cpu": (cpu_model, torch.device("cpu"))}

@@ -10,6 +10,8 @@
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
+ *   trioserve_int4_q8_matmul    decode rows, rounded to 8 bits per block, times GGUF 4-bit weights with
+ *                               VNNI integer dot products (AVX-512 VNNI CPUs; `--activations int8`)
  *
  * Every kernel computes a row from that row alone, so its result is the
  * same bits in any company (batch invariance). */
@@ -830,6 +832,161 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
     free(xh);
     return 0;
 }
+
+/* 4-bit projections of decode rows with 8-bit activations (`--activations
+ * int8`): the arithmetic llama.cpp uses for these GGUF blocks. Each row's
+ * inputs are rounded to 8 bits per block of 32 (xq = round(x 127 / amax),
+ * half to even, with xd = amax / 127), the block's codes times those bytes
+ * are summed exactly in int32 by VNNI (`vpdpbusd`, 64 multiply-adds an
+ * instruction, twice `vdpbf16ps`), and per block
+ *   acc = fma(float(isum), d xd, acc);  acc = fma(m, xs, acc)
+ * with xs the block's bf16 inputs summed in fp32 in order (the exact sum,
+ * where llama.cpp uses the rounded one). Blocks run in order, so a row's
+ * result depends on that row alone, in any company and on any thread.
+ *
+ * Layout (kernels/native.py `pack_int4_q8` writes it): the N outputs go in
+ * tiles of 16 (one vector of int32 sums), and for tile t, block b, quad j:
+ *   packed  [N/16][K/32][4][16][4] bytes: column i, byte e holds
+ *           q(k = 4j + e) in the low nibble and q(k = 16 + 4j + e) in the
+ *           high one, k counted within the block, so one 64-byte load
+ *           gives two quads of four inputs for 16 columns;
+ *   scales  [N/16][K/32][2][16] f16: the tile's 16 d, then its 16 m.
+ * x [R, K] bf16 or fp32 (fp32 rounded to bf16 first); out [R, N] fp32 or
+ * bf16. Rows go four at a time over three tiles, so that a widened code
+ * vector serves four rows and the sums fit the 32 vector registers. */
+#if defined(__AVX512VNNI__)
+#define Q8A_ROWS 4
+#define Q8A_TILES 3
+#define Q8A_TILE_BLOCK 256
+
+static inline __attribute__((always_inline)) void q8a_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int bf16_out, Prefetch *ahead) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int64_t tile_bytes = nb * Q8A_TILE_BLOCK, tile_scales = nb * 32;
+    __m512 acc[Q8A_ROWS][Q8A_TILES];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
+        __m512i isum[Q8A_ROWS][Q8A_TILES];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < tiles; c++) isum[r][c] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            __m512i lo[Q8A_TILES], hi[Q8A_TILES];
+            for (int c = 0; c < tiles; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(w + c * tile_bytes + b * Q8A_TILE_BLOCK + j * 64));
+                lo[c] = _mm512_and_si512(v, nibble);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + b * Q4_BLOCK + 4 * j;
+                int32_t first, second;
+                memcpy(&first, xr, sizeof first);
+                memcpy(&second, xr + 16, sizeof second);
+                const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
+                for (int c = 0; c < tiles; c++) {
+                    isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], lo[c], x0);
+                    isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], hi[c], x1);
+                }
+            }
+        }
+        for (int c = 0; c < tiles; c++) {
+            const uint16_t *s = sc + c * tile_scales + b * 32;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+            for (int r = 0; r < rows; r++) {
+                const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b]));
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), dx, acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < tiles; c++) {
+            if (bf16_out) _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * n + c * 16), bf16_of16(acc[r][c]));
+            else _mm512_storeu_ps((float *)out + r * n + c * 16, acc[r][c]);
+        }
+}
+
+/* One block of 32 bf16 inputs to 8 bits: xq, xd, and xs, the exact
+ * inputs summed in fp32 as (lane i) + (lane 16 + i), then halves folded:
+ * 8 + 8, 4 + 4, 2 + 2, 1 + 1 (kernels/reference.py `q8_blocks` the same). */
+static inline void q8a_block(const uint16_t *src, int8_t *xq, float *xd, float *xs) {
+    const __m512 v0 = load16(src, 0, 1), v1 = load16(src, 16, 1);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    _mm_storeu_si128((__m128i *)xq, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+    _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+    *xd = amax / 127.0f;
+    const __m512 s16 = _mm512_add_ps(v0, v1);
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps(s16, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *xs = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#define Q8A_PASS(R)                                                                                        \
+    case R:                                                                                                \
+        if (tiles_here == 3) q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out, &ahead);                \
+        else if (tiles_here == 2) q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out, &ahead);           \
+        else q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out, &ahead);                           \
+        break;
+
+int trioserve_int4_q8_available(void) { return 1; }
+
+/* Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
+ * memory cannot be had, else 0. x_bf16: 1 when x is bf16, 0 when fp32. */
+int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    if (n % 16 || k % Q4_BLOCK) return 1;
+    const int64_t nb = k / Q4_BLOCK, tiles = n / 16, groups = (tiles + Q8A_TILES - 1) / Q8A_TILES;
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
+    int8_t *xq = malloc((size_t)(rows * k) + 1);
+    float *xd = malloc((size_t)(rows * nb) * sizeof *xd + 1), *xs = malloc((size_t)(rows * nb) * sizeof *xs + 1);
+    if (!xh || !xq || !xd || !xs) {
+        free(xh), free(xq), free(xd), free(xs);
+        return 2;
+    }
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t t0 = g * Q8A_TILES;
+            const int tiles_here = tiles - t0 < Q8A_TILES ? (int)(tiles - t0) : Q8A_TILES;
+            const int64_t left = tiles - t0 - tiles_here, next_bytes = (left < Q8A_TILES ? left : Q8A_TILES) * nb * Q8A_TILE_BLOCK;
+            const uint8_t *w = packed + t0 * nb * Q8A_TILE_BLOCK;
+            const uint16_t *sc = scales + t0 * nb * 32;
+            Prefetch ahead = prefetch_plan(next_bytes ? w + tiles_here * nb * Q8A_TILE_BLOCK : NULL, next_bytes,
+                                           ((rows + Q8A_ROWS - 1) / Q8A_ROWS) * nb);
+            for (int64_t r0 = 0; r0 < rows; r0 += Q8A_ROWS) {
+                const int8_t *xr = xq + r0 * k;
+                const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
+                void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + t0 * 16) : (void *)((float *)out + r0 * n + t0 * 16);
+                switch (rows - r0 >= Q8A_ROWS ? Q8A_ROWS : rows - r0) {
+                    Q8A_PASS(4)
+                    Q8A_PASS(3)
+                    Q8A_PASS(2)
+                    Q8A_PASS(1)
+                }
+            }
+        }
+    }
+    free(xh), free(xq), free(xd), free(xs);
+    return 0;
+}
+#else
+int trioserve_int4_q8_available(void) { return 0; }
+int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
+    return 4;
+}
+#endif
 #else
 int trioserve_int4_available(void) { return 0; }
 int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows, int64_t n,
@@ -840,6 +997,12 @@ int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const v
 int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *x, float *out, int64_t rows, int64_t n,
                           int64_t k, int x_bf16, int threads) {
     (void)packed, (void)scale, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)threads;
+    return 4;
+}
+int trioserve_int4_q8_available(void) { return 0; }
+int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
 }
 #endif

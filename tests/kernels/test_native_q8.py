@@ -1,0 +1,219 @@
+"""Int8 activations for the 4-bit projections (`--activations int8`): the C
+VNNI kernel (kernels/native.py `int4_q8_matmul`) against its torch twin
+(kernels/reference.py `int4_q8_matmul`) and the dequantized weights, its
+batch invariance, its refusals, `Projection`'s and `select_kernels`' choice,
+the settings, and a recorded run replayed with the activations it had.
+
+The kernel needs AVX-512 VNNI (this machine kind has it); where the CPU
+lacks it, the tests that run it are skipped and the twin's are kept."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import trio
+
+from trioserve import cli
+from trioserve.kernels import native, reference
+from trioserve.kernels.int4 import Projection, parts_from_gguf
+
+Q = gguf.GGMLQuantizationType
+needs_vnni = pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI")
+
+
+def _parts(n: int, k: int, qtype=Q.Q4_1, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.1 + rng.uniform(-0.05, 0.05, (n, 1))).astype(np.float32)
+    return parts_from_gguf(gguf.quants.quantize(w, qtype), qtype.name)
+
+
+def _twin_args(parts):
+    d = parts.scale.float()
+    return parts.q, d, (parts.zero.float() - 8 * d).half().float()
+
+
+def _rows(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    x[:, 7] *= 30  # an outlier channel: its block's other inputs get coarse steps
+    if rows > 2:
+        x[2] = 0  # a row of zeros: amax 0, every byte 0
+    return x
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (960, 576), (96, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_matches_its_torch_twin_and_the_weights(qtype, n, k, rows, dtype):
+    """Within fp32 rounding of the twin (the kernel fuses two multiply-adds
+    a block), and within the 8-bit rounding's bound of the dequantized
+    weights in float64. 80 outputs are five tiles of 16: a group of three,
+    then two."""
+    parts = _parts(n, k, qtype)
+    x = _rows(rows, k).to(dtype)
+    out = native.int4_q8_matmul(native.pack_int4_q8(parts), x)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    twin = reference.int4_q8_matmul(*_twin_args(parts), x)
+    scale = twin.abs().max()
+    if dtype == torch.float32:
+        assert (out - twin).abs().max() <= 1e-6 * scale
+    else:  # the kernel's output rounded once to bf16
+        assert ((out.float() - twin).abs() <= twin.abs() * 2**-8 + 1e-6 * scale).all()
+    # Against the weights, w = q d + m: the m part takes the exact input
+    # sums, and each input is off by at most half its block's step (xd / 2)
+    # in the q d part, so an output by at most the sum over blocks of
+    # xd / 2 times d times the block's codes (plus fp32 rounding).
+    dense = x.to(torch.bfloat16).double() @ parts.dequantize().double().T
+    _, xd, _ = reference.q8_blocks(x)
+    codes = parts.q.double().view(n, k // 32, 32).sum(-1) * parts.scale.double().abs()
+    bound = (xd.double() / 2) @ codes.T + 1e-5 * dense.abs().max()
+    assert ((out.double() - dense).abs() <= bound * (1 + 2**-7)).all()
+    if rows > 2:
+        assert torch.equal(out[2], torch.zeros(n, dtype=dtype))
+
+
+@needs_vnni
+def test_a_row_gets_the_same_bits_alone_in_company_and_on_any_thread_count():
+    parts = _parts(960, 576)
+    pack = native.pack_int4_q8(parts)
+    x = _rows(33, 576).to(torch.bfloat16)
+    together = native.int4_q8_matmul(pack, x, threads=2)
+    assert torch.equal(native.int4_q8_matmul(pack, x, threads=1), together)
+    for r in (0, 5, 32):
+        assert torch.equal(native.int4_q8_matmul(pack, x[r : r + 1]), together[r : r + 1])
+    assert torch.equal(native.int4_q8_matmul(pack, x[3:10]), together[3:10])
+
+
+def test_the_twin_blocks_round_half_to_even_and_sum_in_the_kernels_order():
+    x = torch.zeros(1, 32)
+    x[0, 0] = 127.0  # amax: the step is 1
+    x[0, 1], x[0, 2], x[0, 3] = 2.5, -3.5, 0.5
+    xq, xd, xs = reference.q8_blocks(x)
+    assert xq[0, 0, :4].tolist() == [127.0, 2.0, -4.0, 0.0]
+    assert xd[0, 0].item() == 1.0
+    assert xs[0, 0].item() == 127.0 + 2.5 - 3.5 + 0.5
+
+
+@needs_vnni
+def test_the_kernels_block_sums_are_the_twins_bits():
+    """With d = 0 and m = 1 each output is the sum of the blocks' exact
+    input sums: the kernel's order is the twin's, bit for bit."""
+    k = 96
+    parts = _parts(16, k)
+    parts = type(parts)(torch.zeros_like(parts.q), torch.zeros_like(parts.scale), torch.full_like(parts.zero, 1.0))
+    x = (torch.randn(5, k) * 100).to(torch.bfloat16)
+    out = native.int4_q8_matmul(native.pack_int4_q8(parts), x.float())
+    _, _, xs = reference.q8_blocks(x)
+    want = torch.zeros(5)
+    for b in range(k // 32):
+        want = want + xs[:, b]
+    assert torch.equal(out[:, 0], want)
+
+
+def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs, got 24 x 32"):
+        native.pack_int4_q8(_parts(24, 32))
+    assert not native.int4_q8_supported(24, 32) and not native.int4_q8_supported(16, 48)
+    if not native.int4_q8_supported(16, 32):
+        return
+    q8 = native.pack_int4_q8(_parts(32, 64))
+    bf16 = native.pack_int4(_parts(32, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="int4_matmul was given a weight packed for the other 4-bit kernel"):
+        native.int4_matmul(q8, x)
+    with pytest.raises(RuntimeError, match="int4_q8_matmul was given a weight packed for the other 4-bit kernel"):
+        native.int4_q8_matmul(bf16, x)
+    with pytest.raises(RuntimeError, match=r"int4_q8_matmul: x \(2, 32\) does not have the weight's 64 inputs"):
+        native.int4_q8_matmul(q8, torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["c", "twin"])
+def test_projection_with_int8_activations_takes_the_kernel_or_its_twin(use_native):
+    """Generated tokens' rows (the leading ones) go through the int8 path;
+    prompt rows keep the bf16 weights, the same bits as with bf16
+    activations."""
+    parts = _parts(64, 96)
+    weight = parts.dequantize().to(torch.bfloat16)
+    proj = Projection(weight, None, parts, use_native=use_native, activations="int8")
+    plain = Projection(weight, None, parts, activations="bf16")
+    x = _rows(9, 96).to(torch.bfloat16)
+    out = proj.fixed(x, 4)
+    twin = reference.int4_q8_matmul(*_twin_args(parts), x[:4]).to(torch.bfloat16)
+    if use_native and native.int4_q8_supported(64, 96):
+        assert proj.native is not None and proj.native.q8 and proj.q8_twin is None
+        assert ((out[:4].float() - twin.float()).abs() <= twin.float().abs() * 2**-7 + 1e-5).all()
+    else:
+        assert proj.native is None and proj.q8_twin is not None
+        assert torch.equal(out[:4], twin)
+    assert torch.equal(out[4:], plain.fixed(x, 4)[4:])
+    with pytest.raises(ValueError, match="activations must be bf16 or int8, got 'int4'"):
+        Projection(weight, None, parts, activations="int4")
+
+
+def test_select_kernels_resolves_auto_and_refuses_int8_on_triton(monkeypatch):
+    from trioserve.kernels.ops import select_kernels
+
+    cpu = torch.device("cpu")
+    want = "int8" if native.int4_q8_supported(16, 32) else "bf16"
+    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16).activations == "bf16"  # the seam's own default
+    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16, "auto").activations == want
+    assert select_kernels("reference", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"
+    assert select_kernels("auto", cpu, torch.float32, 4, 2, 16, "bf16").activations == "bf16"
+    with pytest.raises(ValueError, match="activations must be one of auto, bf16, int8, got 'fp8'"):
+        select_kernels("auto", cpu, torch.float32, 4, 2, 16, "fp8")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="--activations int8 runs on a CPU .* the Triton kernels take bf16 activations"):
+        select_kernels("triton", cpu, torch.float32, 4, 2, 16, "int8")
+    assert select_kernels("triton", cpu, torch.float32, 4, 2, 16, "auto").activations == "bf16"
+
+
+def test_the_settings_name_a_bad_value(tiny_checkpoints):
+    from tests.test_cli import run_cli
+    from trioserve.config import EngineConfig, activations_setting, settings_from_env
+
+    assert activations_setting({}) == "auto" and EngineConfig().activations == "auto"
+    assert settings_from_env({"TRIOSERVE_ACTIVATIONS": "bf16"}).engine.activations == "bf16"
+    with pytest.raises(ValueError, match="TRIOSERVE_ACTIVATIONS: must be one of auto, bf16, int8, got 'int4'"):
+        settings_from_env({"TRIOSERVE_ACTIVATIONS": "int4"})
+    with pytest.raises(ValueError, match="activations"):
+        EngineConfig(activations="int4")
+    model = ["--model", str(tiny_checkpoints["gguf_q4_1"]), "--port", "0"]
+    bad = run_cli("serve", *model, env={"TRIOSERVE_ACTIVATIONS": "int4"})
+    assert bad.returncode == 2 and bad.stderr.splitlines() == ["trioserve: error: TRIOSERVE_ACTIVATIONS: must be one of auto, bf16, int8, got 'int4'"]
+    flag = run_cli("serve", *model, "--activations", "int4")
+    assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'auto', 'bf16', 'int8')" in flag.stderr
+
+
+async def _record(path, record_dir, activations: str) -> list[int]:
+    from tests.core.test_replay import run
+    from trioserve.config import EngineConfig
+    from trioserve.engine import open_engine
+    from trioserve.types import GenerateRequest, SamplingParams
+
+    config = EngineConfig(model=str(path), dtype="bfloat16", kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=4,
+                          prefill_budget=16, record_dir=str(record_dir), activations=activations)  # fmt: skip
+    async with open_engine(config) as engine:
+        prompt = engine.tokenizer.encode("The quick brown fox")
+        with trio.fail_after(60):
+            tokens, _, _ = await run(engine, GenerateRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    return tokens
+
+
+@needs_vnni
+def test_a_recorded_run_keeps_its_activations_and_replays_identically(tiny_checkpoints, tmp_path, capsys):
+    """auto is recorded as what it resolved to (int8 here), and `trioserve
+    replay --model` rebuilds the model with it: identical."""
+    record_dir = tmp_path / "rec"
+    assert len(trio.run(_record, tiny_checkpoints["gguf_q4_1"], record_dir, "auto")) == 12
+    (trace,) = record_dir.iterdir()
+    head = json.loads(trace.read_text().splitlines()[0])
+    assert head["engine"]["activations"] == "int8"
+    assert cli.main(["replay", str(trace), "--model"]) == 0
+    out = capsys.readouterr().out
+    assert "replay (model): identical" in out, out
