@@ -34,10 +34,12 @@ CONTEXT = 256
 BATCHES = (1, 8, 32)
 LONG_PROMPT = 2048
 # bfloat16+int4+invariant: what the server runs by default (4-bit weights for
-# generated tokens, batch-invariant arithmetic); without "+invariant":
-# --no-batch-invariant.
+# generated tokens, batch-invariant arithmetic, --activations auto: int8 on
+# CPUs with AVX-512 VNNI); without "+invariant": --no-batch-invariant;
+# "+bf16act": --activations bf16.
 VARIANTS = (
-    "bfloat16+int4+invariant", "bfloat16+int4", "bfloat16+invariant", "bfloat16", "float32+invariant", "float32",
+    "bfloat16+int4+invariant", "bfloat16+int4+invariant+bf16act", "bfloat16+int4", "bfloat16+invariant", "bfloat16",
+    "float32+invariant", "float32",
 )
 
 
@@ -114,7 +116,9 @@ def main() -> None:
     for name in dtypes:
         dtype, *extras = name.split("+")
         checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(dtype))
-        model = LlamaModel.from_checkpoint(checkpoint, use_int4="int4" in extras, batch_invariant="invariant" in extras)
+        model = LlamaModel.from_checkpoint(
+            checkpoint, use_int4="int4" in extras, batch_invariant="invariant" in extras, activations="bf16" if "bf16act" in extras else "auto"
+        )
         results[name] = measure(model, decode_steps=args.decode_steps, repeats=args.repeats)
         del model, checkpoint
     print(f"| variant | prefill {PROMPT} tok/s | prefill {LONG_PROMPT} tok/s | " + " | ".join(f"decode x{b} tok/s" for b in BATCHES) + " |")

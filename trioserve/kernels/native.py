@@ -345,6 +345,10 @@ def int8_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 32 == 0 and k % 2 == 0 and _bf16_kernels()
 
 
+# Tiles of 16 outputs per group in `pack_int4_q8`'s layout (Q8A_TILES in the C source).
+Q8_GROUP_TILES = 3
+
+
 def int4_q8_supported(n: int, k: int) -> bool:
     """Whether `int4_q8_matmul` runs here for a [n, k] weight: the kernels
     built, for a CPU with AVX-512 VNNI and BF16, n a multiple of 16 and k
@@ -371,11 +375,14 @@ def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
     nb = k // 32
     codes = q.reshape(n // 16, 16, nb, 2, 4, 4)  # tile, column, block, half, quad, e
     bytes_ = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).astype(np.uint8)
-    packed = np.ascontiguousarray(bytes_.transpose(0, 2, 3, 1, 4))  # tile, block, quad, column, e
+    tiles = bytes_.transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
     d, m = _blocks_d_m(parts)
-    both = np.stack([d, m]).astype(np.float16).reshape(2, n // 16, 16, nb)  # which, tile, column, block
-    scales = np.ascontiguousarray(both.transpose(1, 3, 0, 2))  # tile, block, which, column
-    return Int4Pack(torch.from_numpy(packed.reshape(-1)), torch.from_numpy(scales.reshape(-1).view(np.uint16)), n, k, q8=True)
+    both = np.stack([d, m]).astype(np.float16).reshape(2, n // 16, 16, nb).transpose(1, 3, 0, 2)  # tile, block, which, column
+    # Groups of Q8_GROUP_TILES tiles, each block by block across its tiles.
+    groups = range(0, n // 16, Q8_GROUP_TILES)
+    packed = np.concatenate([tiles[t : t + Q8_GROUP_TILES].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
+    scales = np.concatenate([both[t : t + Q8_GROUP_TILES].transpose(1, 0, 2, 3).reshape(-1) for t in groups])
+    return Int4Pack(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k, q8=True)
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:

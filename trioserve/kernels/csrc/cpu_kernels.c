@@ -845,12 +845,15 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
  * result depends on that row alone, in any company and on any thread.
  *
  * Layout (kernels/native.py `pack_int4_q8` writes it): the N outputs go in
- * tiles of 16 (one vector of int32 sums), and for tile t, block b, quad j:
- *   packed  [N/16][K/32][4][16][4] bytes: column i, byte e holds
+ * tiles of 16 (one vector of int32 sums), the tiles in groups of three (the
+ * last group may hold fewer), and for group g of T tiles, block b, tile t,
+ * quad j:
+ *   packed  [g][K/32][T][4][16][4] bytes: column i, byte e holds
  *           q(k = 4j + e) in the low nibble and q(k = 16 + 4j + e) in the
  *           high one, k counted within the block, so one 64-byte load
  *           gives two quads of four inputs for 16 columns;
- *   scales  [N/16][K/32][2][16] f16: the tile's 16 d, then its 16 m.
+ *   scales  [g][K/32][T][2][16] f16: the tile's 16 d, then its 16 m.
+ * A group is read front to back, one stream (which memory fetches best).
  * x [R, K] bf16 or fp32 (fp32 rounded to bf16 first); out [R, N] fp32 or
  * bf16. Rows go four at a time over three tiles, so that a widened code
  * vector serves four rows and the sums fit the 32 vector registers. */
@@ -858,13 +861,13 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
 #define Q8A_ROWS 4
 #define Q8A_TILES 3
 #define Q8A_TILE_BLOCK 256
+#define Q8A_SPREAD_BLOCKS 256
 
 static inline __attribute__((always_inline)) void q8a_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
                                                          const int bf16_out, Prefetch *ahead) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const int64_t tile_bytes = nb * Q8A_TILE_BLOCK, tile_scales = nb * 32;
     __m512 acc[Q8A_ROWS][Q8A_TILES];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
@@ -876,7 +879,7 @@ static inline __attribute__((always_inline)) void q8a_pass(const uint8_t *w, con
         for (int j = 0; j < 4; j++) {
             __m512i lo[Q8A_TILES], hi[Q8A_TILES];
             for (int c = 0; c < tiles; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(w + c * tile_bytes + b * Q8A_TILE_BLOCK + j * 64));
+                const __m512i v = _mm512_loadu_si512((const void *)(w + (b * tiles + c) * Q8A_TILE_BLOCK + j * 64));
                 lo[c] = _mm512_and_si512(v, nibble);
                 hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
@@ -893,7 +896,7 @@ static inline __attribute__((always_inline)) void q8a_pass(const uint8_t *w, con
             }
         }
         for (int c = 0; c < tiles; c++) {
-            const uint16_t *s = sc + c * tile_scales + b * 32;
+            const uint16_t *s = sc + (b * tiles + c) * 32;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
             for (int r = 0; r < rows; r++) {
@@ -950,10 +953,16 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
         return 2;
     }
     const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+    /* A few rows are rounded here (a barrier costs more); many, by the threads. Either way the same bits. */
+    const int spread = rows * nb >= Q8A_SPREAD_BLOCKS;
+    if (!spread)
+        for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
+        if (spread) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
+            for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
+        }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t t0 = g * Q8A_TILES;
