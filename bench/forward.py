@@ -34,11 +34,10 @@ CONTEXT = 256
 BATCHES = (1, 8, 32)
 LONG_PROMPT = 2048
 # bfloat16+int4+invariant: what the server runs by default (4-bit weights for
-# generated tokens, batch-invariant arithmetic, --activations auto: int8 on
-# CPUs with AVX-512 VNNI); without "+invariant": --no-batch-invariant;
-# "+bf16act": --activations bf16.
+# generated tokens, batch-invariant arithmetic); without "+invariant":
+# --no-batch-invariant; "+int8act": --activations int8.
 VARIANTS = (
-    "bfloat16+int4+invariant", "bfloat16+int4+invariant+bf16act", "bfloat16+int4", "bfloat16+invariant", "bfloat16",
+    "bfloat16+int4+invariant", "bfloat16+int4+invariant+int8act", "bfloat16+int4", "bfloat16+invariant", "bfloat16",
     "float32+invariant", "float32",
 )
 
@@ -117,7 +116,7 @@ def main() -> None:
         dtype, *extras = name.split("+")
         checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(dtype))
         model = LlamaModel.from_checkpoint(
-            checkpoint, use_int4="int4" in extras, batch_invariant="invariant" in extras, activations="bf16" if "bf16act" in extras else "auto"
+            checkpoint, use_int4="int4" in extras, batch_invariant="invariant" in extras, activations="int8" if "int8act" in extras else "bf16"
         )
         results[name] = measure(model, decode_steps=args.decode_steps, repeats=args.repeats)
         del model, checkpoint

@@ -9,6 +9,7 @@ import torch
 from trioserve.engine import resolve_dtype
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
+from trioserve.kernels import native
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.detokenizer import IncrementalDetokenizer
@@ -102,3 +103,18 @@ def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
     detok = IncrementalDetokenizer(tok)
     text = "".join(detok.push(t) for t in outputs[0]) + detok.flush()
     assert "Paris" in text
+
+
+@pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI")
+def test_int8_activations_still_name_paris_and_keep_batch_invariance(checkpoint):
+    """`--activations int8` on the real model: the greedy answer still names
+    Paris, and two conversations decoded together give what each gives
+    alone (the kernel computes a row from that row alone)."""
+    model = LlamaModel.from_checkpoint(checkpoint, batch_invariant=True, activations="int8")
+    assert model.layers[0].qkv.native.q8
+    tok = checkpoint.tokenizer
+    template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+    prompts = [chat_ids(tok, template, q) for q in ("What is the capital of France?", "Name a primary color.")]
+    solo = [greedy_together(model, tok, [p], 24, BlockPool(64, BLOCK))[0] for p in prompts]
+    assert greedy_together(model, tok, prompts, 24, BlockPool(64, BLOCK)) == solo
+    assert "Paris" in tok.decode(solo[0])

@@ -26,9 +26,9 @@ def _seconds(instance, attribute, value) -> None:
 SPECULATIVE_MODES = ("off", "ngram")
 KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (kernels/ops.py)
 # How generated tokens' 4-bit projections take their inputs (kernels/int4.py
-# `Projection`): bf16, or int8 per block of 32; auto is int8 where the C
-# kernel for it runs (AVX-512 VNNI), else bf16. The first is the default.
-ACTIVATION_CHOICES = ("auto", "bf16", "int8")
+# `Projection`): bf16, or int8 per block of 32 (faster, less exact: see
+# docs/kernels.md). The first is the default.
+ACTIVATION_CHOICES = ("bf16", "int8")
 EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 
 
@@ -58,10 +58,10 @@ class EngineConfig:
     "auto" (Triton on CUDA, the C kernels on a CPU where they build, torch
     elsewhere), "reference" (torch) or "triton" (docs/kernels.md).
     activations: how generated tokens' 4-bit projections take their inputs:
-    "bf16" (exact products), "int8" (rounded to 8 bits per block of 32 and
-    multiplied in integers, llama.cpp's arithmetic for these blocks,
-    ~1.6x faster at 32 rows), or "auto": int8 where the CPU has AVX-512
-    VNNI, else bf16 (docs/kernels.md)."""
+    "bf16" (exact products) or "int8" (rounded to 8 bits per block of 32
+    and multiplied in integers, llama.cpp's arithmetic for these blocks:
+    ~1.7x faster projections at 32 rows, greedy replies further from the
+    exact model's; needs AVX-512 VNNI; docs/kernels.md)."""
 
     model: str = "smollm2"
     dtype: str = "auto"

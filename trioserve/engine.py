@@ -322,7 +322,7 @@ def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSett
         digest=checkpoint_digest(checkpoint.path),
         # "auto" resolved: the dtype this machine chose (kernels/cpu.py), so
         # a replay elsewhere loads the weights as this run did.
-        # So are the activations (int8 where this CPU has VNNI).
+        # And the activations the model runs, which replay rebuilds.
         engine={
             **attrs.asdict(config),
             "dtype": str(checkpoint.weights["model.embed_tokens.weight"].dtype).removeprefix("torch."),

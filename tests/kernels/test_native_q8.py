@@ -156,38 +156,40 @@ def test_projection_with_int8_activations_takes_the_kernel_or_its_twin(use_nativ
         Projection(weight, None, parts, activations="int4")
 
 
-def test_select_kernels_resolves_auto_and_refuses_int8_on_triton(monkeypatch):
+def test_select_kernels_takes_int8_where_it_runs_and_refuses_it_elsewhere(monkeypatch):
     from trioserve.kernels.ops import select_kernels
 
     cpu = torch.device("cpu")
-    want = "int8" if native.int4_q8_supported(16, 32) else "bf16"
-    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16).activations == "bf16"  # the seam's own default
-    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16, "auto").activations == want
-    assert select_kernels("reference", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"
-    assert select_kernels("auto", cpu, torch.float32, 4, 2, 16, "bf16").activations == "bf16"
-    with pytest.raises(ValueError, match="activations must be one of auto, bf16, int8, got 'fp8'"):
+    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16).activations == "bf16"  # the default
+    assert select_kernels("reference", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"  # the twin, anywhere
+    if native.int4_q8_supported(16, 32):
+        assert select_kernels("auto", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"
+    # A float16 model has no C kernels: int8 would mean the twin, far too slow to serve.
+    with pytest.raises(ValueError, match="--activations int8 needs the C kernels on a CPU with AVX-512 VNNI .*use --activations bf16"):
+        select_kernels("auto", cpu, torch.float16, 4, 2, 16, "int8")
+    with pytest.raises(ValueError, match="activations must be one of bf16, int8, got 'fp8'"):
         select_kernels("auto", cpu, torch.float32, 4, 2, 16, "fp8")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="--activations int8 runs on a CPU .* the Triton kernels take bf16 activations"):
         select_kernels("triton", cpu, torch.float32, 4, 2, 16, "int8")
-    assert select_kernels("triton", cpu, torch.float32, 4, 2, 16, "auto").activations == "bf16"
+    assert select_kernels("triton", cpu, torch.float32, 4, 2, 16).activations == "bf16"
 
 
 def test_the_settings_name_a_bad_value(tiny_checkpoints):
     from tests.test_cli import run_cli
     from trioserve.config import EngineConfig, activations_setting, settings_from_env
 
-    assert activations_setting({}) == "auto" and EngineConfig().activations == "auto"
+    assert activations_setting({}) == "bf16" and EngineConfig().activations == "bf16"
     assert settings_from_env({"TRIOSERVE_ACTIVATIONS": "bf16"}).engine.activations == "bf16"
-    with pytest.raises(ValueError, match="TRIOSERVE_ACTIVATIONS: must be one of auto, bf16, int8, got 'int4'"):
+    with pytest.raises(ValueError, match="TRIOSERVE_ACTIVATIONS: must be one of bf16, int8, got 'int4'"):
         settings_from_env({"TRIOSERVE_ACTIVATIONS": "int4"})
     with pytest.raises(ValueError, match="activations"):
         EngineConfig(activations="int4")
     model = ["--model", str(tiny_checkpoints["gguf_q4_1"]), "--port", "0"]
     bad = run_cli("serve", *model, env={"TRIOSERVE_ACTIVATIONS": "int4"})
-    assert bad.returncode == 2 and bad.stderr.splitlines() == ["trioserve: error: TRIOSERVE_ACTIVATIONS: must be one of auto, bf16, int8, got 'int4'"]
+    assert bad.returncode == 2 and bad.stderr.splitlines() == ["trioserve: error: TRIOSERVE_ACTIVATIONS: must be one of bf16, int8, got 'int4'"]
     flag = run_cli("serve", *model, "--activations", "int4")
-    assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'auto', 'bf16', 'int8')" in flag.stderr
+    assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'bf16', 'int8')" in flag.stderr
 
 
 async def _record(path, record_dir, activations: str) -> list[int]:
@@ -207,10 +209,11 @@ async def _record(path, record_dir, activations: str) -> list[int]:
 
 @needs_vnni
 def test_a_recorded_run_keeps_its_activations_and_replays_identically(tiny_checkpoints, tmp_path, capsys):
-    """auto is recorded as what it resolved to (int8 here), and `trioserve
-    replay --model` rebuilds the model with it: identical."""
+    """The trace's header says int8, and `trioserve replay --model` rebuilds
+    the model with it: identical. (A trace from before the setting replays
+    with bf16, what those runs had.)"""
     record_dir = tmp_path / "rec"
-    assert len(trio.run(_record, tiny_checkpoints["gguf_q4_1"], record_dir, "auto")) == 12
+    assert len(trio.run(_record, tiny_checkpoints["gguf_q4_1"], record_dir, "int8")) == 12
     (trace,) = record_dir.iterdir()
     head = json.loads(trace.read_text().splitlines()[0])
     assert head["engine"]["activations"] == "int8"

@@ -205,9 +205,10 @@ def select_kernels(
 ) -> Kernels:
     """The kernel set ``choice`` (auto, reference or triton) means for a
     model of ``dtype`` on ``device``, with generated tokens' 4-bit rows
-    taking ``activations`` (auto, bf16 or int8: auto is int8 where the C
-    kernel for it runs, else bf16). ValueError, saying why, for triton
-    where it cannot run, and for int8 activations on the Triton kernels."""
+    taking ``activations`` (bf16 or int8). ValueError, saying why, for
+    triton where it cannot run, and for int8 activations where neither the
+    C kernel for them runs nor the reference set (their torch twin, the
+    oracle: too slow to serve) was asked for."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     if activations not in ACTIVATION_CHOICES:
@@ -220,14 +221,16 @@ def select_kernels(
         return TritonKernels()
     from trioserve.kernels import native
 
-    if activations == "auto":
-        activations = "int8" if device.type == "cpu" and native.int4_q8_supported(16, 32) else "bf16"
     if choice == "reference":
         kernels = Kernels()
         kernels.activations = activations
         return kernels
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None:
+    native_here = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None
+    if activations == "int8" and not (native_here and native.int4_q8_supported(16, 32)):
+        raise ValueError(
+            "--activations int8 needs the C kernels on a CPU with AVX-512 VNNI "
+            f"(here: {'no VNNI' if native_here else 'no C kernels for this ' + device.type + ' model'}); use --activations bf16"
+        )
+    if native_here:
         return NativeKernels(attention_in_c=native.supports(heads, kv_heads, head_dim), activations=activations)
-    kernels = Kernels()
-    kernels.activations = activations
-    return kernels
+    return Kernels()

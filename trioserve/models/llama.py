@@ -79,7 +79,7 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         kernels: str = "auto",
-        activations: str = "auto",
+        activations: str = "bf16",
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -92,8 +92,7 @@ class LlamaModel:
 
         ``kernels``: which implementation runs each operation (auto,
         reference or triton: kernels/ops.py). ``activations``: how the 4-bit
-        rows take their inputs (auto, bf16 or int8: `select_kernels`; the
-        resolved choice is ``self.kernels.activations``)."""
+        rows take their inputs (bf16 or int8: `select_kernels`)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -162,7 +161,7 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         kernels: str = "auto",
-        activations: str = "auto",
+        activations: str = "bf16",
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
         return cls(
