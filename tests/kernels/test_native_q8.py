@@ -19,7 +19,7 @@ import trio
 
 from trioserve import cli
 from trioserve.kernels import native, reference
-from trioserve.kernels.int4 import Projection, parts_from_gguf
+from trioserve.kernels.int4 import PROMPT_TILE, Projection, parts_from_gguf, tiled_linear
 
 Q = gguf.GGMLQuantizationType
 needs_vnni = pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI")
@@ -135,23 +135,27 @@ def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["c", "twin"])
 def test_projection_with_int8_activations_takes_the_kernel_or_its_twin(use_native):
-    """Generated tokens' rows (the leading ones) go through the int8 path;
-    prompt rows keep the bf16 weights, the same bits as with bf16
-    activations."""
+    """Every row goes through the int8 path, generated tokens' (the
+    leading ones) and prompt rows alike, in either mode, each row as it
+    would alone; with bf16 activations prompt rows take the bf16 weights."""
     parts = _parts(64, 96)
     weight = parts.dequantize().to(torch.bfloat16)
     proj = Projection(weight, None, parts, use_native=use_native, activations="int8")
     plain = Projection(weight, None, parts, activations="bf16")
     x = _rows(9, 96).to(torch.bfloat16)
     out = proj.fixed(x, 4)
-    twin = reference.int4_q8_matmul(*_twin_args(parts), x[:4]).to(torch.bfloat16)
+    assert torch.equal(proj(x, 4), out) and torch.equal(proj(x), out)
+    twin = reference.int4_q8_matmul(*_twin_args(parts), x).to(torch.bfloat16)
     if use_native and native.int4_q8_supported(64, 96):
         assert proj.native is not None and proj.native.q8 and proj.q8_twin is None
-        assert ((out[:4].float() - twin.float()).abs() <= twin.float().abs() * 2**-7 + 1e-5).all()
+        assert ((out.float() - twin.float()).abs() <= twin.float().abs() * 2**-7 + 1e-5).all()
+        assert torch.equal(proj.fixed(x[6:7], 0), out[6:7])  # a prompt row alone: the same bits
     else:
         assert proj.native is None and proj.q8_twin is not None
-        assert torch.equal(out[:4], twin)
-    assert torch.equal(out[4:], plain.fixed(x, 4)[4:])
+        assert torch.equal(out, twin)
+    bf16_prompt_rows = plain.fixed(x, 4)[4:]
+    assert torch.equal(bf16_prompt_rows, tiled_linear(x[4:], weight, None, PROMPT_TILE))
+    assert not torch.equal(out[4:], bf16_prompt_rows)
     with pytest.raises(ValueError, match="activations must be bf16 or int8, got 'int4'"):
         Projection(weight, None, parts, activations="int4")
 

@@ -199,7 +199,17 @@ class Projection:
             # [K/32, N, 2] as the kernel wants it.
             self.scales_zeros = torch.stack([int4.scale, int4.zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
+    @property
+    def every_row_8bit(self) -> bool:
+        """With int8 activations every row takes the 4-bit codes, prompt rows
+        too, as llama.cpp computes them: the 8-bit kernel is ~1.5x faster
+        than the bf16 weights' matmul at 128-512 rows (bench/README.md), and
+        computes each row on its own, so it needs no tiles."""
+        return self.activations == "int8" and (self.native is not None or self.q8_twin is not None)
+
     def __call__(self, x: torch.Tensor, int4_rows: int = 0) -> torch.Tensor:
+        if self.every_row_8bit:
+            return self._int4(x)
         if self.packed is None or int4_rows == 0:
             return F.linear(x, self.weight, self.bias)
         if int4_rows >= x.shape[0]:
@@ -215,7 +225,10 @@ class Projection:
         give prompt and generated tokens one path, but it changes greedy
         answers (SmolLM2 no longer names Paris), so each kind keeps its own
         fixed path, and KV written by generated tokens is never shared
-        (docs/determinism.md)."""
+        (docs/determinism.md). With int8 activations every row goes
+        through the 8-bit kernel (`every_row_8bit`)."""
+        if self.every_row_8bit:
+            return self._int4(x)
         decode, prompt = x[:decode_rows], x[decode_rows:]
         parts = []
         if decode_rows:
