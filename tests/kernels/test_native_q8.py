@@ -192,6 +192,13 @@ def test_the_settings_name_a_bad_value(tiny_checkpoints):
     model = ["--model", str(tiny_checkpoints["gguf_q4_1"]), "--port", "0"]
     bad = run_cli("serve", *model, env={"TRIOSERVE_ACTIVATIONS": "int4"})
     assert bad.returncode == 2 and bad.stderr.splitlines() == ["trioserve: error: TRIOSERVE_ACTIVATIONS: must be one of bf16, int8, got 'int4'"]
+    # float16 has no C kernels: refused at start, the last line says why, exit 2.
+    no_kernel = run_cli("serve", *model, "--dtype", "float16", "--activations", "int8")
+    assert no_kernel.returncode == 2, no_kernel.stderr
+    assert no_kernel.stderr.splitlines()[-1] == (
+        "trioserve: error: --activations int8 needs the C kernels on a CPU with AVX-512 VNNI "
+        "(here: no C kernels for this cpu model); use --activations bf16"
+    )
     flag = run_cli("serve", *model, "--activations", "int4")
     assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'bf16', 'int8')" in flag.stderr
 

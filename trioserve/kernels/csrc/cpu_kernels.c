@@ -988,13 +988,6 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
     free(xh), free(xq), free(xd), free(xs);
     return 0;
 }
-#else
-int trioserve_int4_q8_available(void) { return 0; }
-int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
-    return 4;
-}
 #endif
 #else
 int trioserve_int4_available(void) { return 0; }
@@ -1008,6 +1001,10 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
     (void)packed, (void)scale, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)threads;
     return 4;
 }
+#endif
+
+/* Without VNNI (or without the BF16 part it lives in) the int8-activation kernel says so. */
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 int trioserve_int4_q8_available(void) { return 0; }
 int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
