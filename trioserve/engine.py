@@ -315,7 +315,8 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
 
 def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, activations: str) -> TraceWriter:
     """A new trace file in config.record_dir, its header written (blocking:
-    hashes the checkpoint). ``activations``: the model's, resolved."""
+    hashes the checkpoint). ``activations``: what the model runs (a model
+    handed to the engine may not have the config's)."""
     head = header(
         settings,
         checkpoint_path=str(checkpoint.path),

@@ -253,6 +253,7 @@ def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_c
         assert fast.kernels.activations == slow.kernels.activations == activations
         assert fast.layers[0].qkv.native.q8 == (activations == "int8")
         assert (slow.layers[0].qkv.q8_twin is not None) == (activations == "int8")
+        assert fast.head_int8 is not None and slow.head_int8 is not None  # both count as 4-bit models: an 8-bit head
         prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
         decode = build_step([SeqChunk([3], 6, [0, 1], decode=True)], 4, fixed=True)
         caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}

@@ -187,7 +187,6 @@ class Projection:
             else:
                 d = int4.scale.float()
                 self.q8_twin = (int4.q, d, (int4.zero.float() - 8 * d).half().float())
-                self.packed = int4.q
         elif use_native and native.int4_supported(*int4.q.shape):
             # The C kernel (kernels/native.py): faster, and exact products
             # of the bf16 inputs with the 4-bit codes, where torch's op
@@ -198,6 +197,11 @@ class Projection:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(int4.q.to(torch.int32), 1)
             # [K/32, N, 2] as the kernel wants it.
             self.scales_zeros = torch.stack([int4.scale, int4.zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the projection holds 4-bit codes (in a kernel's layout or for the int8 twin)."""
+        return self.packed is not None or self.q8_twin is not None
 
     @property
     def every_row_8bit(self) -> bool:

@@ -33,9 +33,10 @@ class Kernels:
     # Attention reads the pool where it lies (no gathered copy of K and V),
     # for every group: the model then needs no gather buffers.
     reads_in_place = False
-    # How generated tokens' 4-bit rows take their inputs: "bf16" or "int8"
-    # (`--activations`, resolved by `select_kernels`).
-    activations = "bf16"
+
+    def __init__(self, activations: str = "bf16") -> None:
+        # How the 4-bit projections' rows take their inputs: "bf16" or "int8" (`--activations`).
+        self.activations = activations
 
     def projection(self, weight: torch.Tensor, bias: torch.Tensor | None, int4: Int4Parts | None) -> Projection:
         """A projection y = x W^T (+ bias) whose generated tokens' rows use
@@ -107,9 +108,9 @@ class NativeKernels(Kernels):
     def __init__(self, attention_in_c: bool, activations: str = "bf16") -> None:
         from trioserve.kernels import native
 
+        super().__init__(activations)
         self._native = native
         self.reads_in_place = attention_in_c
-        self.activations = activations
 
     def projection(self, weight, bias, int4):
         # The C 4-bit kernel for the activations where it takes the shape.
@@ -144,6 +145,7 @@ class TritonKernels(Kernels):
     def __init__(self) -> None:
         from trioserve.kernels.gpu import attention, elementwise
 
+        super().__init__("bf16")  # the Triton 4-bit kernel takes bf16 inputs
         self._elementwise = elementwise
         self._attention = attention
 
@@ -222,9 +224,7 @@ def select_kernels(
     from trioserve.kernels import native
 
     if choice == "reference":
-        kernels = Kernels()
-        kernels.activations = activations
-        return kernels
+        return Kernels(activations)
     native_here = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None
     if activations == "int8" and not (native_here and native.int4_q8_supported(16, 32)):
         raise ValueError(

@@ -142,7 +142,7 @@ class LlamaModel:
         # step, and the int8 kernel computes each row on its own, so it is
         # batch-invariant as it is (bench/README.md, "Performance").
         # On a GPU the dense head (cuBLAS) serves instead.
-        quantized = bool(self.layers) and self.layers[0].qkv.packed is not None
+        quantized = bool(self.layers) and self.layers[0].qkv.quantized
         self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)

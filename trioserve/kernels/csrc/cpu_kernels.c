@@ -10,8 +10,8 @@
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
- *   trioserve_int4_q8_matmul    decode rows, rounded to 8 bits per block, times GGUF 4-bit weights with
- *                               VNNI integer dot products (AVX-512 VNNI CPUs; `--activations int8`)
+ *   trioserve_int4_q8_matmul    rows rounded to 8 bits per block times GGUF 4-bit weights with VNNI
+ *                               integer dot products (AVX-512 VNNI CPUs; `--activations int8`)
  *
  * Every kernel computes a row from that row alone, so its result is the
  * same bits in any company (batch invariance). */
@@ -833,12 +833,14 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
     return 0;
 }
 
-/* 4-bit projections of decode rows with 8-bit activations (`--activations
- * int8`): the arithmetic llama.cpp uses for these GGUF blocks. Each row's
- * inputs are rounded to 8 bits per block of 32 (xq = round(x 127 / amax),
- * half to even, with xd = amax / 127), the block's codes times those bytes
- * are summed exactly in int32 by VNNI (`vpdpbusd`, 64 multiply-adds an
- * instruction, twice `vdpbf16ps`), and per block
+/* 4-bit projections with 8-bit activations (`--activations int8`: every
+ * row, prompt and generated): the arithmetic llama.cpp uses for these GGUF
+ * blocks. Each row's inputs are rounded to 8 bits per block of 32
+ * (xq = round(x 127 / amax), half to even, with xd = amax / 127), the
+ * block's codes times those bytes are summed exactly in int32 by VNNI
+ * (`vpdpbusd`; no more multiply-adds a cycle than `vdpbf16ps` on the CPUs
+ * measured, but the codes widen to bytes with two masks where widening them
+ * to bf16 takes permutes), and per block
  *   acc = fma(float(isum), d xd, acc);  acc = fma(m, xs, acc)
  * with xs the block's bf16 inputs summed in fp32 in order (the exact sum,
  * where llama.cpp uses the rounded one). Blocks run in order, so a row's
@@ -861,7 +863,6 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
 #define Q8A_ROWS 4
 #define Q8A_TILES 3
 #define Q8A_TILE_BLOCK 256
-#define Q8A_SPREAD_BLOCKS 256
 
 static inline __attribute__((always_inline)) void q8a_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
@@ -953,16 +954,10 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
         return 2;
     }
     const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
-    /* A few rows are rounded here (a barrier costs more); many, by the threads. Either way the same bits. */
-    const int spread = rows * nb >= Q8A_SPREAD_BLOCKS;
-    if (!spread)
-        for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        if (spread) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
-        }
+        for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t t0 = g * Q8A_TILES;
