@@ -83,6 +83,47 @@ def scattered_prompt_chunks(gen, specs, block_size: int, spare: int) -> tuple[li
     return chunks, num_blocks
 
 
+def _laid_out(keys, values, block_size, gen):
+    """Each sequence's keys and values [KVH, n, D] placed in a pool of
+    ``block_size`` blocks, scattered; returns (k, v, decode chunks)."""
+    kv_heads, dim = keys[0].shape[0], keys[0].shape[2]
+    need = [-(-kk.shape[1] // block_size) for kk in keys]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    k = torch.zeros(kv_heads, num_blocks, block_size, dim, dtype=keys[0].dtype)
+    v = torch.zeros_like(k)
+    chunks, used = [], 0
+    for kk, vv, nb in zip(keys, values, need):
+        table = order[used : used + nb]
+        used += nb
+        for t in range(kk.shape[1]):
+            k[:, table[t // block_size], t % block_size] = kk[:, t]
+            v[:, table[t // block_size], t % block_size] = vv[:, t]
+        chunks.append(SeqChunk([1], kk.shape[1] - 1, table, decode=True))
+    return k, v, chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_is_the_same_bits_whatever_the_block_size(dtype):
+    """Where a sequence's keys lie is addressing only: the same keys in
+    blocks of 16, 8, 24 or 5 (blocks that a group of 16 keys crosses) give
+    the same bits, and the twin's answer."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [1, 16, 23, 64, 97, 130]
+    keys = [torch.randn(3, n, 64, generator=gen).to(dtype) for n in lengths]
+    values = [torch.randn(3, n, 64, generator=gen).to(dtype) for n in lengths]
+    q = torch.randn(len(lengths), 9, 64, generator=gen).to(dtype)
+    results = {}
+    for bs in (16, 8, 24, 5):
+        k, v, chunks = _laid_out(keys, values, bs, gen)
+        g = build_step(chunks, bs, buckets=False).groups[0]
+        results[bs] = native.decode_attention(q, k, v, g.block_tables, g.lengths, 0.125)
+        want = reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, 0.125).float()
+        torch.testing.assert_close(results[bs], want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for bs in (8, 24, 5):
+        assert torch.equal(results[bs], results[16]), bs
+
+
 def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype):
     """Three prompt chunks: one from position 0, one after a cached prefix
     (a prefix-cache hit), one of a single token; blocks scattered."""

@@ -228,9 +228,32 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
 }
 
-static inline const uint16_t *kv_row(const uint16_t *cache, const Job *job, const int64_t *table, int64_t g, int64_t t) {
-    const int64_t bs = job->block_size;
-    return cache + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
+/* Walks one sequence's rows of a KV head in the pool, key by key, with no
+ * division per key (the block size is not a constant here, and a 64-bit
+ * division per key and query head had cost more than the arithmetic). */
+typedef struct {
+    const uint16_t *cache, *base;
+    const int64_t *table;
+    int64_t stride, bs, block, off;
+} KvCursor;
+
+static inline KvCursor kv_cursor(const uint16_t *cache, const Job *job, const int64_t *table, int64_t g, int64_t t) {
+    KvCursor c = {cache + g * job->num_blocks * job->block_size * 64, NULL, table, job->block_size * 64,
+                  job->block_size, t / job->block_size, t % job->block_size};
+    c.base = c.cache + table[c.block] * c.stride;
+    return c;
+}
+
+static inline const uint16_t *kv_at(const KvCursor *c) { return c->base + c->off * 64; }
+
+/* To the next key; `more` says whether it exists (a table entry past the
+ * sequence's last block is never read). */
+static inline void kv_next(KvCursor *c, int more) {
+    if (++c->off == c->bs) {
+        c->off = 0;
+        c->block++;
+        if (more) c->base = c->cache + c->table[c->block] * c->stride;
+    }
 }
 
 /* bf16, head dim 64: rows r0 .. r0 + n - 1 (one sequence) and KV head g.
@@ -251,10 +274,22 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
         /* Keys two blocks of 16 ahead, into cache while these are scored
          * (blocks lie scattered, so the hardware's stride prefetch stops at
          * each block's end). */
-        for (int64_t t = t0 + KV_AHEAD; t < t0 + KV_AHEAD + 16 && t < longest; t++) {
-            const char *key = (const char *)kv_row(kc, job, table, g, t);
-            _mm_prefetch(key, _MM_HINT_T0);
-            _mm_prefetch(key + 64, _MM_HINT_T0);
+        if (t0 + KV_AHEAD < longest) {
+            KvCursor ahead = kv_cursor(kc, job, table, g, t0 + KV_AHEAD);
+            for (int64_t t = t0 + KV_AHEAD; t < t0 + KV_AHEAD + 16 && t < longest; t++) {
+                const char *key = (const char *)kv_at(&ahead);
+                _mm_prefetch(key, _MM_HINT_T0);
+                _mm_prefetch(key + 64, _MM_HINT_T0);
+                kv_next(&ahead, t + 1 < longest);
+            }
+        }
+        const uint16_t *keys[16];
+        {
+            KvCursor at = kv_cursor(kc, job, table, g, t0);
+            for (int u = 0; u < 16; u++) {
+                keys[u] = t0 + u < longest ? kv_at(&at) : NULL;
+                kv_next(&at, t0 + u + 1 < longest);
+            }
         }
         for (int64_t x = 0; x < vectors; x++) {
             const int64_t i = x / group, j = x % group, len = job->lens[r0 + i];
@@ -265,7 +300,7 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
             for (int u = 0; u < 16; u++) {
                 const int at = (u % 4) * 4 + u / 4;
                 if (t0 + u < len) {
-                    const uint16_t *key = kv_row(kc, job, table, g, t0 + u);
+                    const uint16_t *key = keys[u];
                     part[at] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key), q0),
                                                 (__m512bh)_mm512_loadu_si512(key + 32), q1);
                 } else {
@@ -287,13 +322,17 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
             len[y] = job->lens[r0 + (x0 + y) / group];
             upto = len[y] > upto ? len[y] : upto;
         }
+        KvCursor at = kv_cursor(vc, job, table, g, 0), ahead = at;
+        if (KV_AHEAD < upto) ahead = kv_cursor(vc, job, table, g, KV_AHEAD);
         for (int64_t t = 0; t < upto; t++) {
             if (t + KV_AHEAD < upto) {
-                const char *ahead = (const char *)kv_row(vc, job, table, g, t + KV_AHEAD);
-                _mm_prefetch(ahead, _MM_HINT_T0);
-                _mm_prefetch(ahead + 64, _MM_HINT_T0);
+                const char *far = (const char *)kv_at(&ahead);
+                _mm_prefetch(far, _MM_HINT_T0);
+                _mm_prefetch(far + 64, _MM_HINT_T0);
+                kv_next(&ahead, t + KV_AHEAD + 1 < upto);
             }
-            const uint16_t *val = kv_row(vc, job, table, g, t);
+            const uint16_t *val = kv_at(&at);
+            kv_next(&at, t + 1 < upto);
             const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
             for (int64_t y = 0; y < m; y++) {
                 if (t >= len[y]) continue;
