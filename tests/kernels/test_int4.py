@@ -170,3 +170,68 @@ def test_prompt_tiles_stay_single_where_a_bigger_call_rounds_otherwise(monkeypat
         assert int4.prompt_tiles_per_call(64, 64, torch.bfloat16, False, torch.get_num_threads()) == 1
     finally:
         int4.prompt_tiles_per_call.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("n", "k", "with_bias"), [(96, 64, False), (64, 160, True)])
+def test_a_prompt_tail_cut_to_16_row_multiples_gives_the_bits_of_whole_tiles(dtype, n, k, with_bias):
+    """The last, partial tile of prompt rows padded only to a multiple of
+    16 rows (where the check allows it) gives every row the bits it gets
+    in whole 128-row tiles, at every row count."""
+    from trioserve.kernels import int4
+
+    threads = torch.get_num_threads()
+    joined = int4.prompt_tiles_per_call(n, k, dtype, with_bias, threads)
+    tail = int4.prompt_tail_rows(n, k, dtype, with_bias, threads)
+    assert tail in (int4.ROW_TILE, int4.PROMPT_TILE)
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    for rows in (1, 17, 107, 128, 172, 300, 4 * 128 + 100):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        got = int4.tiled_linear(x, weight, bias, 128, joined, tail)
+        assert got.shape == (rows, n)
+        assert torch.equal(got, int4.tiled_linear(x, weight, bias, 128, 1)), rows
+
+
+def test_the_prompt_tail_is_padded_to_16_rows_not_128(monkeypatch):
+    """Which calls the tiles make (F.linear, a boundary we do not own,
+    watched): a 107-row prompt is one call of 112 rows with a 16-row
+    tail, of 128 without; 300 rows with joined tiles are 256 + 48."""
+    from trioserve.kernels import int4
+
+    real, calls = int4.F.linear, []
+
+    def watched(x, weight, bias=None):
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(int4.F, "linear", watched)
+    weight = torch.randn(32, 64)
+    for rows, joined, tail, want in ((107, 1, 16, [112]), (107, 1, 128, [128]), (300, 4, 16, [256, 48]), (300, 4, 128, [384]), (300, 1, 16, [128, 128, 48]), (256, 4, 16, [256]), (20, 4, 16, [32])):
+        calls.clear()
+        int4.tiled_linear(torch.randn(rows, 64), weight, None, 128, joined, tail)
+        assert calls == want, (rows, joined, tail, calls)
+
+
+def test_the_prompt_tail_stays_a_whole_tile_where_smaller_calls_round_otherwise(monkeypatch):
+    """F.linear (a boundary we do not own) replaced by one that computes
+    each row alone, so every call size rounds alike: the check allows the
+    16-row tail; the same made to round calls of 48 rows differently: the
+    check finds it and keeps the tail a whole tile."""
+    from trioserve.kernels import int4
+
+    real, odd = int4.F.linear, []
+
+    def row_by_row(x, weight, bias=None):
+        out = torch.cat([real(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+        return out * (1 + 2**-7) if x.shape[0] in odd else out
+
+    monkeypatch.setattr(int4.F, "linear", row_by_row)
+    try:
+        for rounds_otherwise, want in (([], int4.ROW_TILE), ([48], int4.PROMPT_TILE)):
+            odd[:] = rounds_otherwise
+            int4.prompt_tail_rows.cache_clear()
+            assert int4.prompt_tail_rows(64, 64, torch.bfloat16, False, torch.get_num_threads()) == want, rounds_otherwise
+    finally:
+        int4.prompt_tail_rows.cache_clear()

@@ -79,7 +79,12 @@ PROMPT_TILE = 128
 
 
 def tiled_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: int = ROW_TILE, tiles_per_call: int = 1
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: int = ROW_TILE,
+    tiles_per_call: int = 1,
+    tail: int | None = None,
 ) -> torch.Tensor:
     """F.linear whose every row gets the same arithmetic whatever the other
     rows: the rows are padded to a multiple of ``tile`` and multiplied
@@ -87,20 +92,26 @@ def tiled_linear(
     count, and a row then rounds differently beside more or fewer rows
     (docs/determinism.md); a call of fixed shape always runs the same
     kernel, and a row's place inside the tile was measured not to matter.
-    ``tiles_per_call`` > 1 joins up to that many tiles in one call, for
-    callers that checked those calls round every row as single tiles do
-    (`prompt_tiles_per_call`)."""
+    ``tiles_per_call`` > 1 joins up to that many tiles in one call, and
+    ``tail`` < ``tile`` pads the last, partial tile only to a multiple of
+    ``tail`` rows, for callers that checked those calls round every row as
+    single tiles do (`prompt_tiles_per_call`, `prompt_tail_rows`)."""
     rows = x.shape[0]
     if rows == 0:
         return F.linear(x, weight, bias)
-    padded = -(-rows // tile) * tile
-    if padded != rows:
-        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    whole = rows // tile * tile  # rows in whole tiles
+    rest = -(-(rows - whole) // (tail or tile)) * (tail or tile)  # the last tile's rows, padded
+    if rest == tile:
+        whole, rest = whole + tile, 0
+    if whole + rest != rows:
+        x = torch.cat([x, x.new_zeros(whole + rest - rows, x.shape[1])])
     step = tile * max(1, tiles_per_call)
-    if padded <= step:
+    calls = [(s, min(s + step, whole)) for s in range(0, whole, step)]
+    if rest:
+        calls.append((whole, whole + rest))
+    if len(calls) == 1:
         return F.linear(x, weight, bias)[:rows]
-    out = torch.cat([F.linear(x[s : s + step], weight, bias) for s in range(0, padded, step)])
-    return out[:rows]
+    return torch.cat([F.linear(x[a:b], weight, bias) for a, b in calls])[:rows]
 
 
 # Most PROMPT_TILE tiles `prompt_tiles_per_call` tries to join in one call.
@@ -129,6 +140,29 @@ def prompt_tiles_per_call(n: int, k: int, dtype: torch.dtype, with_bias: bool, t
             break
         agreed = count
     return agreed
+
+
+@functools.cache
+def prompt_tail_rows(n: int, k: int, dtype: torch.dtype, with_bias: bool, threads: int, device: str = "cpu") -> int:
+    """The row multiple a step's last, partial tile of prompt rows is
+    padded to: ROW_TILE where one F.linear call of 16, 32, ..., 112 rows
+    of an [n, k] weight rounds every row as a PROMPT_TILE-row call does,
+    else PROMPT_TILE. Checked once per shape, dtype, thread count and
+    device, like `prompt_tiles_per_call`: every output of each call against
+    a 128-row call, on random values. With torch 2.13 on this machine kind
+    every row count of 2-640 agrees (bf16 and fp32, SmolLM2's four shapes),
+    so a 107-token prompt is computed as 112 rows, not 128, and a 20-token
+    turn after a cached prefix as 32 (bench/README.md, "The fourth
+    round")."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
+    bias = (torch.randn(n, generator=gen) * 0.05).to(device, dtype) if with_bias else None
+    x = torch.randn(PROMPT_TILE, k, generator=gen).to(device, dtype)
+    single = F.linear(x, weight, bias)
+    for rows in range(ROW_TILE, PROMPT_TILE, ROW_TILE):
+        if not torch.equal(F.linear(x[:rows], weight, bias), single[:rows]):
+            return PROMPT_TILE
+    return ROW_TILE
 
 
 def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
@@ -225,7 +259,8 @@ class Projection:
         through the int4 kernel when there is one (it computes each row on
         its own: the same bits for 1 to 512 rows, measured), else in
         ROW_TILE tiles; the prompt rows after them in PROMPT_TILE tiles of
-        the bf16 weights. Running prompts through the int4 kernel too would
+        the bf16 weights (the last one cut to a multiple of ROW_TILE rows
+        where `prompt_tail_rows` allows). Running prompts through the int4 kernel too would
         give prompt and generated tokens one path, but it changes greedy
         answers (SmolLM2 no longer names Paris), so each kind keeps its own
         fixed path, and KV written by generated tokens is never shared
@@ -239,8 +274,9 @@ class Projection:
             parts.append(self._int4(decode) if self.packed is not None else tiled_linear(decode, self.weight, self.bias))
         if prompt.shape[0]:
             n, k = self.weight.shape
-            joined = prompt_tiles_per_call(n, k, self.weight.dtype, self.bias is not None, torch.get_num_threads(), str(self.weight.device))
-            parts.append(tiled_linear(prompt, self.weight, self.bias, PROMPT_TILE, joined))
+            shape = (n, k, self.weight.dtype, self.bias is not None, torch.get_num_threads(), str(self.weight.device))
+            joined, tail = prompt_tiles_per_call(*shape), prompt_tail_rows(*shape)
+            parts.append(tiled_linear(prompt, self.weight, self.bias, PROMPT_TILE, joined, tail))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
