@@ -24,7 +24,7 @@ from trioserve.state.kv_pool import (
 
 def free_list(pool: BlockPool) -> list[int]:
     # The free list is private; the invariants below need to see it.
-    return list(pool._free)
+    return pool.free_blocks()
 
 
 def snapshot(pool: BlockPool, seqs=()) -> tuple:
@@ -290,6 +290,41 @@ def test_stats_track_used_and_sequences():
 
 # -- sizing helpers -----------------------------------------------------------
 
+
+
+# -- where blocks come from ------------------------------------------------
+# A sequence's blocks side by side let attention read its keys as one
+# stream (bench/attention.py: 1.7x at 32 rows against scattered blocks).
+
+
+def test_blocks_come_in_runs_and_a_hole_is_filled_by_what_fits_it():
+    pool = BlockPool(12)
+    a, b, c = pool.allocate(3), pool.allocate(3), pool.allocate(3)
+    assert (a, b, c) == ([0, 1, 2], [3, 4, 5], [6, 7, 8])
+    pool.release(b)  # free: 3 4 5, 9 10 11
+    assert pool.allocate(2) == [3, 4]
+    assert pool.allocate(3) == [9, 10, 11]  # the first run of three, not 5 and two others
+    assert pool.free_blocks() == [5]
+
+
+def test_without_a_long_enough_run_the_longest_runs_are_taken_first():
+    pool = BlockPool(9)
+    held = pool.allocate(9)
+    pool.release([held[0], held[2], held[3], held[4], held[7], held[8]])  # free: 0 | 2 3 4 | 7 8
+    assert pool.allocate(4) == [2, 3, 4, 7]
+    assert pool.free_blocks() == [0, 8]
+
+
+def test_a_growing_table_takes_the_blocks_right_after_its_last_when_free():
+    pool = BlockPool(16, block_size=4)
+    pool.grow("a", 8)  # [0, 1]
+    pool.grow("b", 4)  # [2]
+    pool.free_sequence("b")
+    assert pool.grow("a", 16) == [0, 1, 2, 3]
+    pool.grow("c", 4)  # [4]
+    assert pool.grow("a", 24) == [0, 1, 2, 3, 5, 6]  # 4 is taken: the next run that fits
+    pool.adopt("d", [1])
+    assert pool.grow("d", 12) == [1, 7, 8]  # after a shared block: the run right after it is not free
 
 @pytest.mark.parametrize(
     ("tokens", "block_size", "expected"),

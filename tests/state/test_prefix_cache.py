@@ -938,7 +938,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert len(cached) == len(self.cache)  # one block per entry
         held = set(cached).union(*map(set, tables))
         assert self.pool.num_free + len(held) == M_BLOCKS
-        free = list(self.pool._free)
+        free = self.pool.free_blocks()
         assert len(free) == len(set(free)) and held.isdisjoint(free)
         for b in range(M_BLOCKS):
             expected = sum(b in t for t in tables) + (b in cached)
