@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from trioserve.kernels import memory
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, concat_rows, tiled_head
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
@@ -175,9 +176,9 @@ class LlamaModel:
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim)
-        return KVCache(
-            k=torch.zeros(shape, dtype=self.dtype, device=self.device),
-            v=torch.zeros(shape, dtype=self.dtype, device=self.device),
+        return KVCache(  # on huge pages: a sequence's blocks lie scattered over the pool (kernels/memory.py)
+            k=memory.zeros(shape, dtype=self.dtype, device=self.device),
+            v=memory.zeros(shape, dtype=self.dtype, device=self.device),
         )
 
     @torch.inference_mode()
