@@ -3,11 +3,12 @@
 Why: decode attention reads a sequence's blocks where they lie, and after
 a while of serving they lie scattered over the whole pool. With 4 KiB
 pages nearly every block (2 KiB per KV head for the default model) is
-another page and another TLB miss. Over 30 layers' pools with scattered
-blocks (32 rows, 171 keys each), the attention kernel ran 1.10-1.21x
-faster on 2 MiB pages (bench/attention.py; bench/README.md, "The fourth
-round"). The weights, read in order, gained nothing, so they stay as they
-are. The bytes are the same either way: no result changes.
+another page and another TLB miss. Over 30 layers' pools (32 rows, 171
+keys each), the attention kernel ran 1.12-1.20x faster on 2 MiB pages
+with scattered blocks and 1.05x with each sequence's blocks in one run
+(bench/attention.py; bench/README.md, "The fourth round"). The weights,
+read in order, gained nothing, so they stay as they are. The bytes are
+the same either way: no result changes.
 
 How: the memory is allocated untouched, `madvise(MADV_HUGEPAGE)` asks the
 kernel to back the 2 MiB-aligned span inside it with huge pages, and only
