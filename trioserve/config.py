@@ -28,7 +28,10 @@ KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (ke
 # How generated tokens' 4-bit projections take their inputs (kernels/int4.py
 # `Projection`): bf16, or int8 per block of 32 (faster, less exact: see
 # docs/kernels.md). The first is the default.
-ACTIVATION_CHOICES = ("bf16", "int8")
+# How generated tokens' 4-bit projections take their inputs (kernels/ops.py
+# `select_kernels`): auto is int8 where its C kernel runs (AVX-512 VNNI),
+# else bf16. The first is the default.
+ACTIVATION_CHOICES = ("auto", "bf16", "int8")
 EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 
 

@@ -164,34 +164,41 @@ def test_select_kernels_takes_int8_where_it_runs_and_refuses_it_elsewhere(monkey
     from trioserve.kernels.ops import select_kernels
 
     cpu = torch.device("cpu")
-    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16).activations == "bf16"  # the default
+    # The default, auto: int8 where its C kernel runs, else bf16; never the twin, never on Triton.
+    here = "int8" if native.int4_q8_supported(16, 32) else "bf16"
+    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16).activations == here
+    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16, "auto").activations == here
+    assert select_kernels("auto", cpu, torch.float16, 4, 2, 16, "auto").activations == "bf16"  # no C kernels for float16
+    assert select_kernels("reference", cpu, torch.float32, 4, 2, 16).activations == "bf16"
+    assert select_kernels("auto", cpu, torch.bfloat16, 4, 2, 16, "bf16").activations == "bf16"
     assert select_kernels("reference", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"  # the twin, anywhere
     if native.int4_q8_supported(16, 32):
         assert select_kernels("auto", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"
     # A float16 model has no C kernels: int8 would mean the twin, far too slow to serve.
     with pytest.raises(ValueError, match="--activations int8 needs the C kernels on a CPU with AVX-512 VNNI .*use --activations bf16"):
         select_kernels("auto", cpu, torch.float16, 4, 2, 16, "int8")
-    with pytest.raises(ValueError, match="activations must be one of bf16, int8, got 'fp8'"):
+    with pytest.raises(ValueError, match="activations must be one of auto, bf16, int8, got 'fp8'"):
         select_kernels("auto", cpu, torch.float32, 4, 2, 16, "fp8")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="--activations int8 runs on a CPU .* the Triton kernels take bf16 activations"):
         select_kernels("triton", cpu, torch.float32, 4, 2, 16, "int8")
     assert select_kernels("triton", cpu, torch.float32, 4, 2, 16).activations == "bf16"
+    assert select_kernels("triton", cpu, torch.float32, 4, 2, 16, "auto").activations == "bf16"  # auto on Triton: bf16
 
 
 def test_the_settings_name_a_bad_value(tiny_checkpoints):
     from tests.test_cli import run_cli
     from trioserve.config import EngineConfig, activations_setting, settings_from_env
 
-    assert activations_setting({}) == "bf16" and EngineConfig().activations == "bf16"
+    assert activations_setting({}) == "auto" and EngineConfig().activations == "auto"
     assert settings_from_env({"TRIOSERVE_ACTIVATIONS": "bf16"}).engine.activations == "bf16"
-    with pytest.raises(ValueError, match="TRIOSERVE_ACTIVATIONS: must be one of bf16, int8, got 'int4'"):
+    with pytest.raises(ValueError, match="TRIOSERVE_ACTIVATIONS: must be one of auto, bf16, int8, got 'int4'"):
         settings_from_env({"TRIOSERVE_ACTIVATIONS": "int4"})
     with pytest.raises(ValueError, match="activations"):
         EngineConfig(activations="int4")
     model = ["--model", str(tiny_checkpoints["gguf_q4_1"]), "--port", "0"]
     bad = run_cli("serve", *model, env={"TRIOSERVE_ACTIVATIONS": "int4"})
-    assert bad.returncode == 2 and bad.stderr.splitlines() == ["trioserve: error: TRIOSERVE_ACTIVATIONS: must be one of bf16, int8, got 'int4'"]
+    assert bad.returncode == 2 and bad.stderr.splitlines() == ["trioserve: error: TRIOSERVE_ACTIVATIONS: must be one of auto, bf16, int8, got 'int4'"]
     # float16 has no C kernels: refused at start, the last line says why, exit 2.
     no_kernel = run_cli("serve", *model, "--dtype", "float16", "--activations", "int8")
     assert no_kernel.returncode == 2, no_kernel.stderr
@@ -200,7 +207,7 @@ def test_the_settings_name_a_bad_value(tiny_checkpoints):
         "(here: no C kernels for this cpu model); use --activations bf16"
     )
     flag = run_cli("serve", *model, "--activations", "int4")
-    assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'bf16', 'int8')" in flag.stderr
+    assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'auto', 'bf16', 'int8')" in flag.stderr
 
 
 async def _record(path, record_dir, activations: str) -> list[int]:
@@ -231,3 +238,19 @@ def test_a_recorded_run_keeps_its_activations_and_replays_identically(tiny_check
     assert cli.main(["replay", str(trace), "--model"]) == 0
     out = capsys.readouterr().out
     assert "replay (model): identical" in out, out
+
+
+def test_auto_is_int8_for_a_model_with_4bit_codes_where_the_kernel_runs_and_bf16_for_one_without(tiny_checkpoints):
+    """The default: a 4-bit checkpoint's model takes int8 inputs where the
+    C kernel runs; one without 4-bit codes has no rows that would, so its
+    kernels (and any trace of it) say bf16."""
+    from trioserve.models.checkpoint import load_checkpoint
+    from trioserve.models.llama import LlamaModel
+
+    here = "int8" if native.int4_q8_supported(16, 32) else "bf16"
+    q4 = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16))
+    assert q4.kernels.activations == here
+    dense = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["hf"]), dtype=torch.bfloat16))
+    assert dense.kernels.activations == "bf16"
+    no_int4 = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16), use_int4=False)
+    assert no_int4.kernels.activations == "bf16"

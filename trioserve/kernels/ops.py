@@ -203,14 +203,15 @@ def _interpreted() -> bool:
 
 
 def select_kernels(
-    choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, activations: str = "bf16"
+    choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, activations: str = "auto"
 ) -> Kernels:
     """The kernel set ``choice`` (auto, reference or triton) means for a
     model of ``dtype`` on ``device``, with generated tokens' 4-bit rows
-    taking ``activations`` (bf16 or int8). ValueError, saying why, for
-    triton where it cannot run, and for int8 activations where neither the
-    C kernel for them runs nor the reference set (their torch twin, the
-    oracle: too slow to serve) was asked for."""
+    taking ``activations`` (auto, bf16 or int8; the set holds what auto
+    resolved to: int8 where the C kernel for it runs, else bf16).
+    ValueError, saying why, for triton where it cannot run, and for int8
+    activations where neither the C kernel for them runs nor the reference
+    set (their torch twin, the oracle: too slow to serve) was asked for."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     if activations not in ACTIVATION_CHOICES:
@@ -224,8 +225,10 @@ def select_kernels(
     from trioserve.kernels import native
 
     if choice == "reference":
-        return Kernels(activations)
+        return Kernels("bf16" if activations == "auto" else activations)
     native_here = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None
+    if activations == "auto":
+        activations = "int8" if native_here and native.int4_q8_supported(16, 32) else "bf16"
     if activations == "int8" and not (native_here and native.int4_q8_supported(16, 32)):
         raise ValueError(
             "--activations int8 needs the C kernels on a CPU with AVX-512 VNNI "
@@ -233,4 +236,4 @@ def select_kernels(
         )
     if native_here:
         return NativeKernels(attention_in_c=native.supports(heads, kv_heads, head_dim), activations=activations)
-    return Kernels()
+    return Kernels()  # bf16: int8 without the C kernel was refused above

@@ -80,7 +80,7 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         kernels: str = "auto",
-        activations: str = "bf16",
+        activations: str = "auto",
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -93,12 +93,15 @@ class LlamaModel:
 
         ``kernels``: which implementation runs each operation (auto,
         reference or triton: kernels/ops.py). ``activations``: how the 4-bit
-        rows take their inputs (bf16 or int8: `select_kernels`)."""
+        rows take their inputs (auto, bf16 or int8: `select_kernels`; a model
+        without 4-bit codes has no such rows, and auto is bf16 for it)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
+        if activations == "auto" and not int4:
+            activations = "bf16"  # nothing would take int8 inputs, and a trace should not say so
         # Every operation runs through this seam: on CPU the C kernels where
         # they build (attention row by row, reading the pool in place, for
         # the head shapes they take), on CUDA the Triton ones.
@@ -162,7 +165,7 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         kernels: str = "auto",
-        activations: str = "bf16",
+        activations: str = "auto",
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
         return cls(
