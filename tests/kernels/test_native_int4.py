@@ -114,12 +114,12 @@ def test_the_tiny_model_decodes_the_same_tokens_through_either_int4_path(tiny_ch
     from trioserve.models.step import SeqChunk, build_step
 
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
-    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")  # the two bf16-activation paths
     assert all(p.native is not None for p in (fast.layers[0].qkv, fast.layers[0].o, fast.layers[0].gate_up, fast.layers[0].down))
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     native.library.cache_clear()
     try:
-        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
     finally:
         monkeypatch.delenv(native.DISABLE_ENV)
         native.library.cache_clear()

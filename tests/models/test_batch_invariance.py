@@ -65,6 +65,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trioserve.kernels import native
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import KVCache, LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -80,7 +81,7 @@ DECODE_STEPS = 4
 # models
 
 
-def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool) -> LlamaModel:
+def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool, activations: str = "auto") -> LlamaModel:
     if kind == "bf16":
         checkpoint = load_checkpoint(tiny_checkpoints["hf"], dtype=torch.bfloat16)
         model = LlamaModel.from_checkpoint(checkpoint, use_int4=False, batch_invariant=batch_invariant)
@@ -88,7 +89,7 @@ def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool) -> LlamaModel:
     else:
         dtype = torch.float32 if kind == "q4_1_f32" else torch.bfloat16
         checkpoint = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
-        model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=batch_invariant)
+        model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=batch_invariant, activations=activations)
         # the served path: every projection has its 4-bit copy
         for layer in model.layers:
             assert all(p.packed is not None for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -365,9 +366,9 @@ def control_plan(donor_prompt: int) -> Plan:
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_control_the_harnesses_see_a_changed_kv(tiny_checkpoints, batch_invariant):
-    """The harnesses above can fail. With 4-bit parts a generated token's
-    K/V is computed with other weights (the int4 kernel) than a prompt
-    token's (bf16), in either mode; so
+    """The harnesses above can fail. With 4-bit parts and bf16 activations
+    a generated token's K/V is computed with other weights (the int4
+    kernel) than a prompt token's (bf16), in either mode; so
 
     - a prefix hit on blocks whose last 8 tokens the donor GENERATED gives
       the target other logits than prefilling alone, while the same plan
@@ -376,8 +377,10 @@ def test_control_the_harnesses_see_a_changed_kv(tiny_checkpoints, batch_invarian
       model, see the module docstring);
     - the decoded-vs-prefilled comparison sees different K/V and logits.
 
-    Everything is seeded: the difference is deterministic."""
-    model = _load(tiny_checkpoints, "q4_1", batch_invariant=batch_invariant)
+    Everything is seeded: the difference is deterministic. (With int8
+    activations, the default where VNNI runs, both kinds of token take one
+    path: the next test.)"""
+    model = _load(tiny_checkpoints, "q4_1", batch_invariant=batch_invariant, activations="bf16")
     fixed = batch_invariant
     vocab = model.config.vocab_size
     prompt = [random.Random(5).randrange(vocab) for _ in range(100)]
@@ -386,3 +389,16 @@ def test_control_the_harnesses_see_a_changed_kv(tiny_checkpoints, batch_invarian
     if batch_invariant:
         assert first_difference(alone, run_crowded(model, prompt, decoded, control_plan(48), fixed=fixed)) is None
     assert decoded_vs_prefilled(model, prompt, 50, 7, seed=0, fixed=fixed) == (False, False, False)
+
+
+@pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need the C kernel (AVX-512 VNNI)")
+def test_with_int8_activations_a_generated_token_has_the_kv_a_prefilled_one_has(tiny_checkpoints):
+    """With int8 activations every row of a 4-bit projection goes through
+    the one 8-bit kernel, prompt or generated: the same text decoded or
+    prefilled leaves bit-identical K/V and logits, which the bf16 control
+    above shows differ there."""
+    model = _load(tiny_checkpoints, "q4_1", batch_invariant=True, activations="int8")
+    assert model.kernels.activations == "int8"
+    vocab = model.config.vocab_size
+    prompt = [random.Random(5).randrange(vocab) for _ in range(100)]
+    assert decoded_vs_prefilled(model, prompt, 50, 7, seed=0) == (True, True, True)
