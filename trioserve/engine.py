@@ -283,7 +283,9 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
         prefix_cache=config.prefix_cache,
         prefix_cache_max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()) if config.prefix_cache else None,
         prefix_cache_idle_s=config.prefix_cache_idle_s,
-        share_generated_kv=not config.batch_invariant,
+        # Batch-invariant bf16 computes a generated token's K/V on other weights than a prompt
+        # token's, so it must not stand in for one; with int8 activations both take one path.
+        share_generated_kv=not config.batch_invariant or model.kernels.activations == "int8",
         draft_tokens=config.draft_tokens,
     )
     core = new_core(settings, checkpoint.tokenizer)

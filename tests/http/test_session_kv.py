@@ -1,8 +1,10 @@
 """Sessions keep their KV: over a real server with the tiny model, each turn
 prefills only its new tokens (read from the prefix-cache hit counters) even
 when the cache's own limits let every unpinned block go -- in the default
-batch-invariant mode, its new tokens and the previous reply, whose KV came
-from generated-token arithmetic and is never shared (docs/determinism.md); under KV pressure
+batch-invariant mode with bf16 activations, its new tokens and the previous
+reply, whose KV came from generated-token arithmetic and is never shared
+(with int8 activations, one path for both, only its new tokens;
+docs/determinism.md); under KV pressure
 an idle session's kept blocks are let go, and its next turn prefills the
 history again and says exactly the same; idle sessions leave in LRU order
 and a session with a turn running is never the one that leaves."""
@@ -17,6 +19,7 @@ import trio
 
 from tests.http.conftest import BLOCK_SIZE, MAX_MODEL_LEN, kv_bytes, make_settings, metrics, start_server
 from tests.http.test_sessions import TIMEOUT, create, turn
+from trioserve.kernels import native
 from trioserve.models.checkpoint import load_checkpoint
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
@@ -41,11 +44,23 @@ def word_bias(tiny_gguf) -> dict[str, float]:
     return {str(dog): 100.0}
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "batch-dependent"])
-async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat(nursery, tiny_gguf, word_bias, invariant):
+@pytest.mark.parametrize(
+    ("invariant", "activations"),
+    [
+        (True, "bf16"),
+        pytest.param(True, "int8", marks=pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need AVX-512 VNNI")),
+        (False, "auto"),
+    ],
+    ids=["batch-invariant-bf16", "batch-invariant-int8", "batch-dependent"],
+)
+async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat(nursery, tiny_gguf, word_bias, invariant, activations):
     # The cache may keep one idle block: whatever a session does not pin is
     # gone as soon as its request ends, so every hit below is the session's.
-    url = await start_server(nursery, make_settings(tiny_gguf, prefix_cache_max_blocks=1, batch_invariant=invariant))
+    # Only batch invariance with bf16 activations keeps a reply's KV out of sharing
+    # (its arithmetic differs from a prompt's); with int8 both take one path.
+    unshared = invariant and activations == "bf16"
+    settings = make_settings(tiny_gguf, prefix_cache_max_blocks=1, batch_invariant=invariant, activations=activations)
+    url = await start_server(nursery, settings)
     with trio.fail_after(60):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
             sid = await create(client, system="Answer briefly.", logit_bias=word_bias, **GREEDY)
@@ -63,10 +78,10 @@ async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat
                     new = prompt - previous_tokens  # the new user message and the template around it
                     # The kept blocks cover the history but its last, partly filled block; with
                     # batch invariance they stop where the last reply's tokens begin.
-                    kept = previous_tokens - previous_reply if invariant else previous_tokens
+                    kept = previous_tokens - previous_reply if unshared else previous_tokens
                     assert prefilled <= prompt - kept + BLOCK_SIZE, f"turn {k + 1}: prefilled {prefilled} of {prompt}, new {new}"
                     assert hit_after - hit >= kept - BLOCK_SIZE, f"turn {k + 1}"
-                    if invariant:
+                    if unshared:
                         assert prefilled >= new + previous_reply, f"turn {k + 1}: the last reply's KV was shared"
                 previous_reply = reply["usage"]["completion_tokens"]
                 previous_tokens = prompt + previous_reply
@@ -78,7 +93,7 @@ async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat
                 assert stateless.json()["choices"][0]["message"]["content"] == content, f"turn {k + 1}"
                 history.append({"role": "assistant", "content": content})
             m = await metrics(client)
-    kept = previous_tokens - previous_reply if invariant else previous_tokens
+    kept = previous_tokens - previous_reply if unshared else previous_tokens
     assert m["prefix_cache"]["pinned_owners"] == 1 and m["prefix_cache"]["pinned_blocks"] >= kept // BLOCK_SIZE - 1
     assert m["sessions"]["turns_committed"] == len(QUESTIONS)
 

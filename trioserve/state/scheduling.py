@@ -9,9 +9,10 @@ Rules:
 - With a prefix cache, admission first shares the cached blocks of the
   prompt's longest known prefix (no copy, no prefill for them), and a
   finished sequence leaves its full blocks in the cache: those of its
-  prompt only when ``share_generated_kv`` is off (batch-invariant mode,
-  where generated tokens' K/V comes from other arithmetic than a prompt's
-  and must not stand in for it; docs/determinism.md). A sequence that
+  prompt only when ``share_generated_kv`` is off (batch-invariant mode with
+  bf16 activations, where generated tokens' K/V comes from other arithmetic
+  than a prompt's and must not stand in for it; with int8 activations both
+  take one path; docs/determinism.md). A sequence that
   retains for an owner (a session turn) also pins them, provisionally, until
   the owner commits (the pins become the owner's) or cancels (let go).
 - A step takes every running sequence's decode token first, then prefill
