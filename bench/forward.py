@@ -33,7 +33,8 @@ PROMPT = 512
 CONTEXT = 256
 BATCHES = (1, 8, 32)
 LONG_PROMPT = 2048
-# bfloat16+int4+invariant: what the server runs by default (4-bit weights for
+# bfloat16+int4+invariant+int8act: what the server runs by default on a CPU
+# with AVX-512 VNNI (--activations auto), bfloat16+int4+invariant elsewhere (4-bit weights for
 # generated tokens, batch-invariant arithmetic); without "+invariant":
 # --no-batch-invariant; "+int8act": --activations int8.
 VARIANTS = (
