@@ -169,6 +169,10 @@ class WrappedModel:
         return self.inner.batch_invariant
 
     @property
+    def kernels(self):
+        return self.inner.kernels
+
+    @property
     def dtype(self):
         return self.inner.dtype
 
