@@ -211,6 +211,7 @@ async def test_openai_models(server):
         card = await call(client.models.retrieve, MODEL_NAME)
         assert card.id == MODEL_NAME and card.object == "model" and card.owned_by == "trioserve"
         assert card.model_extra["batch_invariant"] is True  # which arithmetic runs (docs/determinism.md)
+        assert card.model_extra["activations"] == "bf16"  # auto, resolved: this f32 GGUF has no 4-bit codes to take int8 inputs
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await call(client.models.retrieve, "no-such-model")
 
@@ -530,7 +531,7 @@ async def test_queue_full_gets_429(nursery, tiny_gguf, slow_steps):
 METRIC_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "steps", "prompt_tokens",
     "generated_tokens", "finished", "queue_wait", "ttft", "inter_token", "end_to_end", "dead", "prefix_cache", "sessions", "responses",
-    "batch_invariant", "speculative",
+    "batch_invariant", "activations", "speculative",
 }
 
 
@@ -545,6 +546,7 @@ async def test_health_and_metrics(server):
             assert before["speculative"] == {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0}  # off by default
             assert before["kv_blocks_total"] == 4 * MAX_MODEL_LEN // 4 and before["kv_blocks_used"] == 0 and before["dead"] is None
             assert before["batch_invariant"] is True  # the default
+            assert before["activations"] == "bf16"  # auto, for a checkpoint without 4-bit codes (test_session_kv: one with them)
             for key in ("queue_wait", "ttft", "inter_token", "end_to_end"):
                 assert set(before[key]) == {"count", "sum_s", "mean_s"}, before[key]
 

@@ -45,21 +45,22 @@ def word_bias(tiny_gguf) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("invariant", "activations"),
+    ("invariant", "activations", "kind"),
     [
-        (True, "bf16"),
-        pytest.param(True, "int8", marks=pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need AVX-512 VNNI")),
-        (False, "auto"),
+        (True, "bf16", "gguf_f32"),
+        pytest.param(True, "int8", "gguf_q4_1", marks=pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need AVX-512 VNNI")),
+        (False, "auto", "gguf_f32"),
     ],
     ids=["batch-invariant-bf16", "batch-invariant-int8", "batch-dependent"],
 )
-async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat(nursery, tiny_gguf, word_bias, invariant, activations):
+async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat(nursery, tiny_checkpoints, word_bias, invariant, activations, kind):
     # The cache may keep one idle block: whatever a session does not pin is
     # gone as soon as its request ends, so every hit below is the session's.
     # Only batch invariance with bf16 activations keeps a reply's KV out of sharing
     # (its arithmetic differs from a prompt's); with int8 both take one path.
     unshared = invariant and activations == "bf16"
-    settings = make_settings(tiny_gguf, prefix_cache_max_blocks=1, batch_invariant=invariant, activations=activations)
+    # int8 takes a checkpoint with 4-bit codes (the f32 one has none, and runs bf16 whatever is asked)
+    settings = make_settings(tiny_checkpoints[kind], prefix_cache_max_blocks=1, batch_invariant=invariant, activations=activations)
     url = await start_server(nursery, settings)
     with trio.fail_after(60):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
@@ -93,6 +94,7 @@ async def test_five_turns_prefill_only_their_new_tokens_and_match_stateless_chat
                 assert stateless.json()["choices"][0]["message"]["content"] == content, f"turn {k + 1}"
                 history.append({"role": "assistant", "content": content})
             m = await metrics(client)
+    assert m["activations"] == ("int8" if activations == "int8" else "bf16")  # auto on a model without 4-bit codes: bf16
     kept = previous_tokens - previous_reply if unshared else previous_tokens
     assert m["prefix_cache"]["pinned_owners"] == 1 and m["prefix_cache"]["pinned_blocks"] >= kept // BLOCK_SIZE - 1
     assert m["sessions"]["turns_committed"] == len(QUESTIONS)

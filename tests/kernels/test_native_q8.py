@@ -240,10 +240,11 @@ def test_a_recorded_run_keeps_its_activations_and_replays_identically(tiny_check
     assert "replay (model): identical" in out, out
 
 
-def test_auto_is_int8_for_a_model_with_4bit_codes_where_the_kernel_runs_and_bf16_for_one_without(tiny_checkpoints):
+def test_auto_is_int8_for_a_model_with_4bit_codes_where_the_kernel_runs_and_bf16_for_one_without(tiny_checkpoints, caplog):
     """The default: a 4-bit checkpoint's model takes int8 inputs where the
     C kernel runs; one without 4-bit codes has no rows that would, so its
-    kernels (and any trace of it) say bf16."""
+    kernels (and any trace of it, /metrics, the sharing of generated K/V)
+    say bf16, even when int8 was asked for, with a warning then."""
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.models.llama import LlamaModel
 
@@ -254,3 +255,9 @@ def test_auto_is_int8_for_a_model_with_4bit_codes_where_the_kernel_runs_and_bf16
     assert dense.kernels.activations == "bf16"
     no_int4 = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16), use_int4=False)
     assert no_int4.kernels.activations == "bf16"
+    assert not [r for r in caplog.records if "no 4-bit weights" in r.getMessage()]
+    asked = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["hf"]), dtype=torch.bfloat16), activations="int8")
+    assert asked.kernels.activations == "bf16"
+    assert [r.getMessage() for r in caplog.records if "no 4-bit weights" in r.getMessage()] == [
+        "--activations int8: this model has no 4-bit weights to take 8-bit inputs; it runs bf16"
+    ]

@@ -280,6 +280,7 @@ def _model_card(state: ServerState) -> dict:
     if state.engine is not None:
         card["max_model_len"] = state.engine.max_model_len
         card["batch_invariant"] = state.engine.config.batch_invariant
+        card["activations"] = state.engine.activations
     return card
 
 
@@ -376,6 +377,7 @@ def _stats_body(engine: Engine) -> dict:
         "end_to_end": lat(s.end_to_end),
         "dead": s.dead,
         "batch_invariant": engine.config.batch_invariant,
+        "activations": engine.activations,  # what the 4-bit projections take (what --activations auto chose)
         "prefix_cache": None
         if s.prefix is None
         else {

@@ -8,6 +8,7 @@ another) so a layer is four matmuls."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 
@@ -21,6 +22,8 @@ from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -94,14 +97,19 @@ class LlamaModel:
         ``kernels``: which implementation runs each operation (auto,
         reference or triton: kernels/ops.py). ``activations``: how the 4-bit
         rows take their inputs (auto, bf16 or int8: `select_kernels`; a model
-        without 4-bit codes has no such rows, and auto is bf16 for it)."""
+        without 4-bit codes has no such rows, and runs bf16, with a warning
+        when int8 was asked for)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
-        if activations == "auto" and not int4:
-            activations = "bf16"  # nothing would take int8 inputs, and a trace should not say so
+        if not int4 and activations != "bf16":
+            # No 4-bit codes, so no row would take int8 inputs; a trace, /metrics and the
+            # sharing of generated K/V must not say otherwise.
+            if activations == "int8":
+                log.warning("--activations int8: this model has no 4-bit weights to take 8-bit inputs; it runs bf16")
+            activations = "bf16"
         # Every operation runs through this seam: on CPU the C kernels where
         # they build (attention row by row, reading the pool in place, for
         # the head shapes they take), on CUDA the Triton ones.
