@@ -25,12 +25,10 @@ def _seconds(instance, attribute, value) -> None:
 
 SPECULATIVE_MODES = ("off", "ngram")
 KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (kernels/ops.py)
-# How generated tokens' 4-bit projections take their inputs (kernels/int4.py
-# `Projection`): bf16, or int8 per block of 32 (faster, less exact: see
-# docs/kernels.md). The first is the default.
-# How generated tokens' 4-bit projections take their inputs (kernels/ops.py
-# `select_kernels`): auto is int8 where its C kernel runs (AVX-512 VNNI),
-# else bf16. The first is the default.
+# How the 4-bit projections take their inputs (kernels/ops.py
+# `select_kernels`, kernels/int4.py `Projection`): bf16, or int8 per block of
+# 32 (faster, less exact: docs/kernels.md); auto is int8 where its C kernel
+# runs (AVX-512 VNNI), else bf16. The first is the default.
 ACTIVATION_CHOICES = ("auto", "bf16", "int8")
 EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 

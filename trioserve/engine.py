@@ -54,6 +54,7 @@ class Engine:
         inbox: trio.MemorySendChannel[SchedulerMessage],
         guides: GuideCompiler,
         hidden_size: int = 0,
+        activations: str = "bf16",
     ):
         self.config = config
         self.tokenizer = tokenizer
@@ -63,7 +64,7 @@ class Engine:
         self._inbox = inbox
         self.guides = guides  # compiles output constraints (guided decoding)
         self.trace_path: Path | None = None  # the trace being written (config.record_dir), if any
-        self.activations = "bf16"  # what the 4-bit projections take: config.activations, auto resolved
+        self.activations = activations  # what the 4-bit projections take: config.activations, auto resolved
 
     def statistics(self) -> EngineStats:
         """A frozen snapshot of the engine's statistics, made now."""
@@ -304,9 +305,10 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
             await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides, device)
             await nursery.start(run_worker, model, cache, worker_recv, sampler_send, device)
             await nursery.start(run_scheduler, scheduler, inbox_recv)
-            engine = Engine(config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size)
+            engine = Engine(
+                config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations
+            )
             engine.trace_path = None if writer is None else writer.path
-            engine.activations = model.kernels.activations
             try:
                 yield engine
             finally:

@@ -227,9 +227,10 @@ def select_kernels(
     if choice == "reference":
         return Kernels("bf16" if activations == "auto" else activations)
     native_here = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None
+    int8_here = native_here and native.int4_q8_supported(16, 32)
     if activations == "auto":
-        activations = "int8" if native_here and native.int4_q8_supported(16, 32) else "bf16"
-    if activations == "int8" and not (native_here and native.int4_q8_supported(16, 32)):
+        activations = "int8" if int8_here else "bf16"
+    if activations == "int8" and not int8_here:
         raise ValueError(
             "--activations int8 needs the C kernels on a CPU with AVX-512 VNNI "
             f"(here: {'no VNNI' if native_here else 'no C kernels for this ' + device.type + ' model'}); use --activations bf16"
