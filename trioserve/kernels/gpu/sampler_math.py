@@ -38,16 +38,19 @@ def torch_order_sum(start, n, live, BLOCK_R: tl.constexpr):
     c4 = tl.arange(0, 4)
     c8 = tl.arange(0, 8)
     c32 = tl.arange(0, 32)
+    # Compiled, a name bound in both branches of a run-time `if` must have
+    # one type in both: the partials are p4 [R, 4] in one and p8 [R, 8] in
+    # the other (the interpreter let one name hold either).
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     if n < 8:
         quads = n // 4
-        p = tl.load(start[:, None] + c4[None, :], mask=live[:, None] & (c4[None, :] < quads * 4), other=0.0)
-        s = _column(p, c4, 0)
+        p4 = tl.load(start[:, None] + c4[None, :], mask=live[:, None] & (c4[None, :] < quads * 4), other=0.0)
+        s = _column(p4, c4, 0)
         for t in range(quads * 4, n):
             s += tl.load(start + t, mask=live, other=0.0)
-        s += _column(p, c4, 1)
-        s += _column(p, c4, 2)
-        s += _column(p, c4, 3)
+        s += _column(p4, c4, 1)
+        s += _column(p4, c4, 2)
+        s += _column(p4, c4, 3)
         total = s
     else:
         vectors = n // 8
@@ -77,15 +80,15 @@ def torch_order_sum(start, n, live, BLOCK_R: tl.constexpr):
             a0 += tl.load(start[:, None] + v * 8 + c32[None, :] % 8, mask=first, other=0.0)
         slots = tl.reshape(a0, [BLOCK_R, 4, 8])
         slot = tl.arange(0, 4)[None, :, None]
-        p = tl.sum(tl.where(slot == 0, slots, 0.0), axis=1)
-        p += tl.sum(tl.where(slot == 1, slots, 0.0), axis=1)
-        p += tl.sum(tl.where(slot == 2, slots, 0.0), axis=1)
-        p += tl.sum(tl.where(slot == 3, slots, 0.0), axis=1)
+        p8 = tl.sum(tl.where(slot == 0, slots, 0.0), axis=1)
+        p8 += tl.sum(tl.where(slot == 1, slots, 0.0), axis=1)
+        p8 += tl.sum(tl.where(slot == 2, slots, 0.0), axis=1)
+        p8 += tl.sum(tl.where(slot == 3, slots, 0.0), axis=1)
         s = tl.zeros([BLOCK_R], dtype=tl.float32)
         for t in range(vectors * 8, n):
             s += tl.load(start + t, mask=live, other=0.0)
         for lane in range(8):
-            s += _column(p, c8, lane)
+            s += _column(p8, c8, lane)
         total = s
     return total
 
