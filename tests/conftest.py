@@ -21,6 +21,16 @@ import pytest
 from tests.tiny_model import build_tiny_checkpoints
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels_built() -> None:
+    """Build (or find) the C kernels before the first test, so that no test
+    with a deadline pays the compile: ~10-20 s on a slow 2-core machine with
+    an empty cache (kernels/native.py)."""
+    from trioserve.kernels import native
+
+    native.library()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Paths of the untied tiny model by kind: "hf" (two shards and an index),

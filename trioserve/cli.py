@@ -9,7 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, kernels_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import CPU_FEATURES_ENV
+from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, cpu_features_setting, kernels_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy (default); up to 2")
     gen.add_argument("--seed", type=int, default=0, help="the request's seed, as the server takes it: any integer (default 0)")
     gen.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights' dtype; auto = bfloat16 where the CPU has native bf16, else float32")
-    gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: the cores this process may run on)")
     _batch_invariant_flag(gen)
 
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -137,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-special-in-prompt", action="store_true", help="let /v1/completions text prompts spell special tokens such as <|im_start|> (default: they are text)")
     srv.add_argument("--default-max-tokens", type=_positive_int, default=2048, help="max_tokens for requests that send none (default 2048)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    srv.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    srv.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: the cores this process may run on)")
 
     rep = commands.add_parser("replay", help="check a trace recorded with `serve --record`: exit 0 when identical, 1 at the first difference, 2 when unreadable")
     rep.add_argument("trace", metavar="TRACE", help="one .jsonl trace file")
     rep.add_argument("--model", action="store_true", help="also re-run every step on the real model and check its tokens and logprobs")
     rep.add_argument("--checkpoint", metavar="PATH", default=None, help="where the recorded checkpoint is now (default: the path in the trace)")
-    rep.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads in --model mode (default: torch's choice)")
+    rep.add_argument("--threads", type=_positive_int, default=None, help="CPU threads in --model mode (default: the cores this process may run on)")
     return parser
 
 
@@ -165,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         native_kernels_setting(os.environ)  # a bad TRIOSERVE_NATIVE_KERNELS stops here, by name
+        _check_cpu_features()  # and a bad or unfit TRIOSERVE_CPU_FEATURES
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
@@ -178,6 +180,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("trioserve: interrupted", file=sys.stderr)
         return 130
     return 2
+
+
+def _check_cpu_features() -> None:
+    """ValueError for a $TRIOSERVE_CPU_FEATURES that is not a level, or one
+    this CPU cannot run, naming the variable and what is missing."""
+    from trioserve.kernels.cpu import level_fits
+
+    level = cpu_features_setting(os.environ)
+    unfit = level_fits(level)
+    if unfit:
+        raise ValueError(f"{CPU_FEATURES_ENV}={level}: {unfit}")
+
+
+def _set_threads(threads: int | None) -> None:
+    """torch's CPU threads: --threads, else the cores this process may run
+    on (its affinity mask), which is what a container or taskset gives it."""
+    import torch
+
+    from trioserve.kernels.cpu import default_threads
+
+    torch.set_num_threads(threads or default_threads())
 
 
 def _batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +234,6 @@ def _generate(args: argparse.Namespace) -> int:
     it: the body parsed and mapped to SamplingParams by the HTTP schemas,
     the prompt rendered and tokenized by the route's function. The reply's
     text is printed as it streams."""
-    import torch
     import trio
 
     from trioserve.engine import resolve_dtype
@@ -219,8 +241,7 @@ def _generate(args: argparse.Namespace) -> int:
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.progress import ProgressBar
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     request = parse_chat_request(generate_request_body(args))
     params = sampling_params(request, default_max_tokens=args.max_tokens)
     config = generate_engine_config(args.model, args.dtype, batch_invariant_setting(args.batch_invariant, dict(os.environ)))
@@ -276,13 +297,10 @@ def _sole_error(group: BaseExceptionGroup) -> BaseException:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import torch
-
     from trioserve.config import EngineConfig, ServerSettings
     from trioserve.http.serve import run_server
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -330,10 +348,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from trioserve.core.replay import main as replay_main
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     return replay_main(args.trace, checkpoint=args.checkpoint, model=args.model)
 
 

@@ -210,6 +210,26 @@ def native_kernels_setting(environ: Mapping[str, str]) -> bool:
         raise ValueError(f"{NATIVE_KERNELS_ENV}: {exc}") from None
 
 
+CPU_FEATURES_ENV = "TRIOSERVE_CPU_FEATURES"
+# The instruction-set levels the C kernels can be built for (kernels/native.py
+# `LEVELS` has each one's compiler flags): "native" is everything this CPU has.
+CPU_FEATURE_LEVELS = ("native", "avx2-vnni", "avx2", "generic")
+
+
+def cpu_features_setting(environ: Mapping[str, str]) -> str:
+    """$TRIOSERVE_CPU_FEATURES: the instruction-set level the C kernels are
+    built for, one of CPU_FEATURE_LEVELS (unset: native). A narrower level
+    runs the kernels a CPU without the wider instructions would (for tests,
+    and for an operator comparing paths); anything else is a ValueError
+    naming the variable (the CLI checks it first)."""
+    text = environ.get(CPU_FEATURES_ENV)
+    if text is None or text == "":
+        return "native"
+    if text not in CPU_FEATURE_LEVELS:
+        raise ValueError(f"{CPU_FEATURES_ENV}: must be one of {', '.join(CPU_FEATURE_LEVELS)}, got {text!r}")
+    return text
+
+
 def _one_of(choices: tuple[str, ...]):
     """A parser of a variable that must be one of ``choices``."""
 

@@ -65,6 +65,8 @@ class Engine:
         self.guides = guides  # compiles output constraints (guided decoding)
         self.trace_path: Path | None = None  # the trace being written (config.record_dir), if any
         self.activations = activations  # what the 4-bit projections take: config.activations, auto resolved
+        # How the model computes (`compute_card`): set by open_engine; the model card and /metrics show it.
+        self.compute: dict[str, object] = {}
 
     def statistics(self) -> EngineStats:
         """A frozen snapshot of the engine's statistics, made now."""
@@ -309,6 +311,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
                 config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations
             )
             engine.trace_path = None if writer is None else writer.path
+            engine.compute = compute_card(model)
             try:
                 yield engine
             finally:
@@ -317,6 +320,31 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     finally:
         if writer is not None:
             writer.close()  # however the engine ends; every line is flushed already
+
+
+def compute_card(model: LlamaModel) -> dict[str, object]:
+    """How ``model`` computes, for the start-up line, the model card and
+    /metrics: device, dtype, kernel set, the instruction sets of the CPU's C
+    kernels (null where they do not run), the 4-bit rows' activations, and
+    the CPU threads."""
+    from trioserve.kernels import native
+
+    cpu = model.device.type == "cpu"
+    return {
+        "device": model.device.type,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "kernels": model.kernels.name,
+        "cpu_kernels": native.isa() if cpu and model.kernels.name == "native" else None,
+        "activations": model.kernels.activations,
+        "threads": torch.get_num_threads() if cpu else None,
+    }
+
+
+def describe_compute(card: dict[str, object]) -> str:
+    """`compute_card` in one line of words."""
+    isa = f" ({card['cpu_kernels']})" if card.get("cpu_kernels") else ""
+    threads = f", {card['threads']} threads" if card.get("threads") else ""
+    return f"{card['device']}, {card['dtype']}, {card['kernels']} kernels{isa}, {card['activations']} activations{threads}"
 
 
 def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, activations: str) -> TraceWriter:

@@ -4,8 +4,12 @@ VNNI kernel (kernels/native.py `int4_q8_matmul`) against its torch twin
 batch invariance, its refusals, `Projection`'s and `select_kernels`' choice,
 the settings, and a recorded run replayed with the activations it had.
 
-The kernel needs AVX-512 VNNI (this machine kind has it); where the CPU
-lacks it, the tests that run it are skipped and the twin's are kept."""
+The kernel has an AVX-512 VNNI build and an AVX2 one (with `vpdpbusd` from
+AVX-VNNI, or `vpmaddubsw` + `vpmaddwd` without it), chosen from the CPU's
+flags; the kernel tests run at every level this CPU can execute
+($TRIOSERVE_CPU_FEATURES: native, avx2-vnni, avx2), so an AVX-512 machine
+tests the AVX2 code too, and every level gives the same bits. A level the
+CPU lacks is skipped with the reason; the twin's tests always run."""
 
 from __future__ import annotations
 
@@ -18,11 +22,31 @@ import torch
 import trio
 
 from trioserve import cli
+from trioserve.config import CPU_FEATURES_ENV
 from trioserve.kernels import native, reference
+from trioserve.kernels.cpu import level_fits
 from trioserve.kernels.int4 import PROMPT_TILE, Projection, parts_from_gguf, tiled_linear
 
 Q = gguf.GGMLQuantizationType
-needs_vnni = pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI")
+needs_vnni = pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI or AVX2 and a C compiler")
+LEVELS = ("native", "avx2-vnni", "avx2")
+
+
+def _use_level(level: str, monkeypatch) -> None:
+    """Run the C kernels built for ``level`` from here on, or skip saying why not."""
+    unfit = level_fits(level)
+    if unfit:
+        pytest.skip(f"{CPU_FEATURES_ENV}={level}: {unfit}")
+    monkeypatch.setenv(CPU_FEATURES_ENV, level)
+    if not native.int4_q8_supported(16, 32):
+        pytest.skip(f"no int8-activation kernel at {level} here (no C compiler, or TRIOSERVE_NATIVE_KERNELS=0)")
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, monkeypatch) -> str:
+    """Each instruction-set level of the kernels this CPU can run."""
+    _use_level(request.param, monkeypatch)
+    return request.param
 
 
 def _parts(n: int, k: int, qtype=Q.Q4_1, seed: int = 0):
@@ -45,12 +69,11 @@ def _rows(rows: int, k: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-@needs_vnni
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (960, 576), (96, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_matches_its_torch_twin_and_the_weights(qtype, n, k, rows, dtype):
+def test_the_kernel_matches_its_torch_twin_and_the_weights(level, qtype, n, k, rows, dtype):
     """Within fp32 rounding of the twin (the kernel fuses two multiply-adds
     a block), and within the 8-bit rounding's bound of the dequantized
     weights in float64. 80 outputs are five tiles of 16: a group of three,
@@ -78,8 +101,7 @@ def test_the_kernel_matches_its_torch_twin_and_the_weights(qtype, n, k, rows, dt
         assert torch.equal(out[2], torch.zeros(n, dtype=dtype))
 
 
-@needs_vnni
-def test_a_row_gets_the_same_bits_alone_in_company_and_on_any_thread_count():
+def test_a_row_gets_the_same_bits_alone_in_company_and_on_any_thread_count(level):
     parts = _parts(960, 576)
     pack = native.pack_int4_q8(parts)
     x = _rows(33, 576).to(torch.bfloat16)
@@ -100,8 +122,7 @@ def test_the_twin_blocks_round_half_to_even_and_sum_in_the_kernels_order():
     assert xs[0, 0].item() == 127.0 + 2.5 - 3.5 + 0.5
 
 
-@needs_vnni
-def test_the_kernels_block_sums_are_the_twins_bits():
+def test_the_kernels_block_sums_are_the_twins_bits(level):
     """With d = 0 and m = 1 each output is the sum of the blocks' exact
     input sums: the kernel's order is the twin's, bit for bit."""
     k = 96
@@ -114,6 +135,29 @@ def test_the_kernels_block_sums_are_the_twins_bits():
     for b in range(k // 32):
         want = want + xs[:, b]
     assert torch.equal(out[:, 0], want)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 48, 32), (7, 80, 96), (33, 960, 576), (129, 64, 1536)])
+def test_every_level_gives_a_row_the_same_bits(rows, n, k, monkeypatch):
+    """The AVX2 builds (with and without AVX-VNNI) and the native one (AVX-512
+    VNNI here) compute a block's integer sum exactly and scale it by the
+    same operations, so they agree bit for bit: a trace replays alike on
+    an AVX2 laptop and an AVX-512 server. Odd row counts, a last group of
+    one or two tiles, bf16 and fp32 inputs and outputs."""
+    parts = _parts(n, k, seed=rows)
+    pack = native.pack_int4_q8(parts)
+    x = _rows(rows, k, seed=rows)
+    results = {}
+    for level_ in LEVELS:
+        if level_fits(level_) is None:
+            monkeypatch.setenv(CPU_FEATURES_ENV, level_)
+            if native.int4_q8_supported(16, 32):
+                results[level_] = [native.int4_q8_matmul(pack, x.to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+    if len(results) < 2:
+        pytest.skip(f"fewer than two kernel levels run here ({', '.join(results) or 'none'})")
+    first, *others = results.values()
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
 
 
 def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
@@ -203,11 +247,30 @@ def test_the_settings_name_a_bad_value(tiny_checkpoints):
     no_kernel = run_cli("serve", *model, "--dtype", "float16", "--activations", "int8")
     assert no_kernel.returncode == 2, no_kernel.stderr
     assert no_kernel.stderr.splitlines()[-1] == (
-        "trioserve: error: --activations int8 needs the C kernels on a CPU with AVX-512 VNNI "
+        "trioserve: error: --activations int8 needs the C kernels on a CPU with AVX-512 VNNI or AVX2 "
         "(here: no C kernels for this cpu model); use --activations bf16"
     )
     flag = run_cli("serve", *model, "--activations", "int4")
     assert flag.returncode == 2 and "argument --activations: invalid choice: 'int4' (choose from 'auto', 'bf16', 'int8')" in flag.stderr
+
+
+def test_the_cpu_features_setting_names_a_bad_or_unfit_level(tiny_checkpoints):
+    from tests.test_cli import run_cli
+    from trioserve.config import cpu_features_setting
+
+    assert cpu_features_setting({}) == "native" and cpu_features_setting({CPU_FEATURES_ENV: "avx2"}) == "avx2"
+    with pytest.raises(ValueError, match="TRIOSERVE_CPU_FEATURES: must be one of native, avx2-vnni, avx2, generic, got 'avx3'"):
+        cpu_features_setting({CPU_FEATURES_ENV: "avx3"})
+    # What a CPU without the level's instructions is told (flags given, not read).
+    assert level_fits("avx2", frozenset({"sse2", "avx2"}), "x86_64") == "this CPU lacks f16c, fma"
+    assert level_fits("avx2-vnni", frozenset({"avx2", "fma", "f16c"}), "x86_64") == "this CPU lacks avx_vnni"
+    assert level_fits("avx2", frozenset(), "aarch64") == "avx2 is an x86-64 level and this CPU is aarch64"
+    assert level_fits("generic", frozenset(), "aarch64") is None and level_fits("native", frozenset(), "x86_64") is None
+    model = ["--model", str(tiny_checkpoints["gguf_q4_1"]), "--port", "0"]
+    bad = run_cli("serve", *model, env={CPU_FEATURES_ENV: "avx3"})
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "trioserve: error: TRIOSERVE_CPU_FEATURES: must be one of native, avx2-vnni, avx2, generic, got 'avx3'"
+    ]
 
 
 async def _record(path, record_dir, activations: str) -> list[int]:

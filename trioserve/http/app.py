@@ -23,7 +23,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from trioserve.actors.session import SessionActors, open_session_actors
 from trioserve.http.connection import Connection
 from trioserve.config import ServerSettings, settings_from_env
-from trioserve.engine import Engine, open_engine
+from trioserve.engine import Engine, describe_compute, open_engine
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai, prometheus
 from trioserve.http.embeddings import add_embedding_routes
@@ -94,6 +94,7 @@ async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
             async with open_session_actors(state.sessions, engine, pull_timeout_s=pull_timeout_s) as turns:
                 state.turns = turns
                 state.engine = engine
+                print(f"trioserve: computing on {describe_compute(engine.compute)}", file=sys.stderr, flush=True)
                 if engine.trace_path is not None:
                     print(f"trioserve: recording engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
                 state.phase = "ok"
@@ -281,6 +282,7 @@ def _model_card(state: ServerState) -> dict:
         card["max_model_len"] = state.engine.max_model_len
         card["batch_invariant"] = state.engine.config.batch_invariant
         card["activations"] = state.engine.activations
+        card["compute"] = state.engine.compute
     return card
 
 
@@ -378,6 +380,7 @@ def _stats_body(engine: Engine) -> dict:
         "dead": s.dead,
         "batch_invariant": engine.config.batch_invariant,
         "activations": engine.activations,  # what the 4-bit projections take (what --activations auto chose)
+        "compute": engine.compute,  # device, dtype, kernels, the C kernels' instruction sets, threads
         "prefix_cache": None
         if s.prefix is None
         else {

@@ -12,8 +12,12 @@ CPU has native bf16 and float32 elsewhere (bench/README.md, "CPU kinds")."""
 from __future__ import annotations
 
 import functools
+import os
+import platform
 
 import torch
+
+from trioserve.config import CPU_FEATURES_ENV
 
 # Flags (as /proc/cpuinfo spells them) that mean native bf16 dot products.
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -33,11 +37,48 @@ def cpu_flags() -> frozenset[str]:
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU (or one with ``flags``) multiplies bfloat16 natively."""
-    return bool((cpu_flags() if flags is None else flags) & BF16_FLAGS)
+    """Whether this CPU (or one with ``flags``) multiplies bfloat16 natively.
+    For this CPU, not where $TRIOSERVE_CPU_FEATURES names a narrower level
+    than native: that runs what a CPU of that level would, dtype included."""
+    if flags is None:
+        if os.environ.get(CPU_FEATURES_ENV, "native") not in ("", "native"):
+            return False
+        flags = cpu_flags()
+    return bool(flags & BF16_FLAGS)
 
 
 def auto_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
     """The weights' dtype "auto" stands for on this CPU (or one with
     ``flags``). A user whose CPU is misjudged passes --dtype."""
     return torch.bfloat16 if native_bf16(flags) else torch.float32
+
+
+# What each x86-64 instruction-set level of the C kernels needs of the CPU
+# (flags as /proc/cpuinfo spells them).
+LEVEL_FLAGS = {
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx2-vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
+    "generic": frozenset(),
+}
+
+
+def level_fits(level: str, flags: frozenset[str] | None = None, machine: str | None = None) -> str | None:
+    """None when this CPU (or one with ``flags``, of ``machine``) can run the
+    C kernels built for ``level``; else why not, in words."""
+    if level == "native":
+        return None
+    machine = machine or platform.machine()
+    if level != "generic" and machine not in ("x86_64", "AMD64"):
+        return f"{level} is an x86-64 level and this CPU is {machine}"
+    missing = sorted(LEVEL_FLAGS[level] - (cpu_flags() if flags is None else flags))
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def default_threads() -> int:
+    """The CPU threads a process should use: the cores it may run on
+    (its affinity mask, which taskset, cgroups' cpusets and container
+    limits set), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)

@@ -9,7 +9,10 @@ blocks where they lie, one call per layer; `rms_norm` (with the cast) and
 `rope_write_kv` (RoPE on q and k with the K/V store) replace ~20 small
 operators each.
 
-Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp`` (OpenMP from the libgomp torch loads); the
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp`` (OpenMP from the libgomp torch loads), or
+the flags of the level ``$TRIOSERVE_CPU_FEATURES`` names (`LEVELS`: avx2,
+avx2-vnni, generic), so that a wider CPU runs and tests a narrower CPU's
+kernels; one library per level, chosen when first used. The
 shared object goes to ``$TRIOSERVE_CACHE_DIR`` (default
 ``~/.cache/trioserve``) under a name made from the source, the flags, the
 compiler's version and this CPU's feature flags, so an edit, another
@@ -28,6 +31,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -37,9 +41,10 @@ import attrs
 import numpy as np
 import torch
 
+from trioserve.config import CPU_FEATURES_ENV
 from trioserve.config import NATIVE_KERNELS_ENV as DISABLE_ENV
-from trioserve.config import native_kernels_setting
-from trioserve.kernels.cpu import cpu_flags
+from trioserve.config import cpu_features_setting, native_kernels_setting
+from trioserve.kernels.cpu import cpu_flags, level_fits
 
 if TYPE_CHECKING:
     from trioserve.kernels.int4 import Int4Parts
@@ -49,7 +54,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # -ffp-contract=off: no fused multiply-adds, so elementwise kernels round
 # exactly as their torch twins (RoPE is bit-identical to it).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
+FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
+# The target flags of each level ($TRIOSERVE_CPU_FEATURES). x86-64-v3 is
+# AVX2 + FMA + F16C (Haswell, Zen); generic is the baseline of the machine.
+LEVELS = {
+    "native": ("-march=native",),
+    "avx2-vnni": ("-march=x86-64-v3", "-mavxvnni"),
+    "avx2": ("-march=x86-64-v3",),
+    "generic": ("-march=armv8-a",) if platform.machine() in ("aarch64", "arm64") else ("-march=x86-64",),
+}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -63,13 +76,15 @@ def _compiler_version(cc: str) -> str:
     return done.stdout
 
 
-def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile the kernels (or find them built) and return the shared
-    object's path. Raises OSError or subprocess.SubprocessError on failure."""
+def build(cc: str | None = None, out_dir: Path | None = None, level: str = "native") -> Path:
+    """Compile the kernels for ``level`` (`LEVELS`) (or find them built) and
+    return the shared object's path. Raises OSError or
+    subprocess.SubprocessError on failure."""
     cc = cc or os.environ.get("CC") or "cc"
+    flags = (*FLAGS, *LEVELS[level])
     source = SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(), " ".join(sorted(cpu_flags())).encode()):
+    for part in (source, " ".join(flags).encode(), _compiler_version(cc).encode(), " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
         key.update(b"\0")
     out_dir = out_dir or cache_dir()
@@ -80,7 +95,7 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120, check=True)
+        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -88,17 +103,30 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (see the module docstring); built once per process."""
+    """The loaded kernels for the level $TRIOSERVE_CPU_FEATURES names, or
+    None (see the module docstring); each level built once per process."""
+    return library_at(os.environ.get(CPU_FEATURES_ENV) or "native", os.environ.get(DISABLE_ENV))
+
+
+@functools.cache
+def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for ``level``, or None with a warning saying why
+    (``disable``: $TRIOSERVE_NATIVE_KERNELS's text)."""
+    environ = {} if disable is None else {DISABLE_ENV: disable}
     try:
-        if not native_kernels_setting(os.environ):
+        if not native_kernels_setting(environ):
             return None
+        level = cpu_features_setting({CPU_FEATURES_ENV: level})
     except ValueError as e:
         log.warning("%s; using the torch reference", e)
         return None
+    unfit = level_fits(level)
+    if unfit:
+        log.warning("%s=%s: %s; using the torch reference", CPU_FEATURES_ENV, level, unfit)
+        return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(level=level)))
     except subprocess.CalledProcessError as e:
         log.warning("native kernels not built (%s); using the torch reference: %s", e.cmd[0], (e.stderr or "").strip()[-500:])
         return None
@@ -133,7 +161,17 @@ def library() -> ctypes.CDLL | None:
     fn = lib.trioserve_int4_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
+    lib.trioserve_isa.restype = ctypes.c_char_p
+    lib.trioserve_isa.argtypes = []
     return lib
+
+
+def isa() -> str | None:
+    """The instruction sets the loaded kernels were compiled for, in a word
+    (e.g. "avx512-vnni", "avx2", "avx2-vnni", "generic"), or None where the
+    C kernels do not run."""
+    lib = library()
+    return None if lib is None else lib.trioserve_isa().decode()
 
 
 def _lib() -> ctypes.CDLL:
@@ -351,8 +389,8 @@ Q8_GROUP_TILES = 3
 
 def int4_q8_supported(n: int, k: int) -> bool:
     """Whether `int4_q8_matmul` runs here for a [n, k] weight: the kernels
-    built, for a CPU with AVX-512 VNNI and BF16, n a multiple of 16 and k
-    of 32."""
+    built, for a CPU with AVX-512 VNNI and BF16 or with AVX2, FMA and F16C,
+    n a multiple of 16 and k of 32."""
     lib = library()
     return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int4_q8_available())
 

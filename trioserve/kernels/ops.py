@@ -232,7 +232,7 @@ def select_kernels(
         activations = "int8" if int8_here else "bf16"
     if activations == "int8" and not int8_here:
         raise ValueError(
-            "--activations int8 needs the C kernels on a CPU with AVX-512 VNNI "
+            "--activations int8 needs the C kernels on a CPU with AVX-512 VNNI or AVX2 "
             f"(here: {'no VNNI' if native_here else 'no C kernels for this ' + device.type + ' model'}); use --activations bf16"
         )
     if native_here:

@@ -10,8 +10,9 @@
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
- *   trioserve_int4_q8_matmul    rows rounded to 8 bits per block times GGUF 4-bit weights with VNNI
- *                               integer dot products (AVX-512 VNNI CPUs; `--activations int8`)
+ *   trioserve_int4_q8_matmul    rows rounded to 8 bits per block times GGUF 4-bit weights with integer
+ *                               dot products (AVX-512 VNNI, or AVX2 with or without AVX-VNNI; the same
+ *                               bits on each; `--activations int8`)
  *
  * Every kernel computes a row from that row alone, so its result is the
  * same bits in any company (batch invariance). */
@@ -26,6 +27,25 @@
 
 #define LANES 16
 #define MAX_GROUP 16
+
+/* What this build's fast paths use, in a word (kernels/native.py `isa`). */
+const char *trioserve_isa(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return "avx512-vnni";
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return "avx512-bf16";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+    return "avx2-vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return "avx2";
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+    return "neon-dotprod";
+#elif defined(__ARM_NEON)
+    return "neon";
+#else
+    return "generic";
+#endif
+}
 #define MAX_THREADS 64
 
 static inline float bf16_to_float(uint16_t b) {
@@ -480,6 +500,17 @@ static inline void store(void *base, int64_t i, float f, int bf16) {
     else ((float *)base)[i] = f;
 }
 
+/* A bf16 copy of n inputs (rounded as torch casts when they are fp32), or
+ * NULL when memory cannot be had. */
+static __attribute__((unused)) uint16_t *bf16_rows(const void *x, int64_t n, int x_bf16) {
+    uint16_t *xh = malloc((size_t)n * sizeof *xh + 1);
+    if (!xh) return NULL;
+    if (x_bf16) memcpy(xh, x, (size_t)n * sizeof *xh);
+    else
+        for (int64_t i = 0; i < n; i++) xh[i] = float_to_bf16(((const float *)x)[i]);
+    return xh;
+}
+
 /* Rows at or above this many go to the OpenMP threads (a row's result never
  * depends on which thread computes it). */
 #define PARALLEL_ROWS 64
@@ -744,16 +775,6 @@ static inline __attribute__((always_inline)) void q4_panel_rows(const uint8_t *w
 int trioserve_int4_available(void) { return 1; }
 
 
-/* A bf16 copy of n inputs (rounded as torch casts when they are fp32), or
- * NULL when memory cannot be had. */
-static uint16_t *bf16_rows(const void *x, int64_t n, int x_bf16) {
-    uint16_t *xh = malloc((size_t)n * sizeof *xh + 1);
-    if (!xh) return NULL;
-    if (x_bf16) memcpy(xh, x, (size_t)n * sizeof *xh);
-    else
-        for (int64_t i = 0; i < n; i++) xh[i] = float_to_bf16(((const float *)x)[i]);
-    return xh;
-}
 
 /* Returns 1 when n or k is not a multiple of 32, 2 when scratch memory
  * cannot be had, else 0. x_bf16: 1 when x is bf16, 0 when fp32. */
@@ -1046,12 +1067,165 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
 }
 #endif
 
-/* Without VNNI (or without the BF16 part it lives in) the int8-activation kernel says so. */
+/* Without AVX-512 VNNI, the same kernel on 256-bit registers: AVX2 with FMA
+ * and F16C (x86-64-v3: Intel since Haswell, AMD since Zen), with AVX-VNNI's
+ * `vpdpbusd` where the CPU has it (Alder Lake and later client CPUs), else
+ * the pair `vpmaddubsw` (code byte times input byte, adjacent pairs summed
+ * into int16: at most 2 x 15 x 127, no saturation) then `vpmaddwd` by 1
+ * (pairs of those into int32). Either way each block's integer sum is
+ * exact, so it is the AVX-512 kernel's; the inputs are rounded to 8 bits
+ * by the same operations, xs is summed in the same tree, and the per-block
+ * scaling is the same two fused multiply-adds per lane. So a row gets the
+ * same bits from this kernel as from the AVX-512 one (tested).
+ *
+ * The layout is `pack_int4_q8`'s (above). A pass computes half a tile
+ * (8 outputs, one register) for up to four rows over every block, which
+ * keeps 4 sums, 4 accumulators, the codes and the broadcast inputs within
+ * the 16 registers. */
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define A2_BLOCK 32
+#define A2_ROWS 4
+#define A2_TILES 3
+#define A2_TILE_BLOCK 256
+
+/* acc + the sums of four code bytes (u, 0..15) times four input bytes (s),
+ * per int32 lane: exact. */
+static inline __attribute__((always_inline)) __m256i a2_dot(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int c, const int h, const int bf16_out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[A2_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK + h * 32;
+        __m256i isum[A2_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+            const __m256i lo = _mm256_and_si256(v, nibble);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + b * A2_BLOCK + 4 * j;
+                int32_t first, second;
+                memcpy(&first, xr, sizeof first);
+                memcpy(&second, xr + 16, sizeof second);
+                isum[r] = a2_dot(isum[r], lo, _mm256_set1_epi32(first));
+                isum[r] = a2_dot(isum[r], hi, _mm256_set1_epi32(second));
+            }
+        }
+        const uint16_t *s = sc + (b * tiles + c) * 32 + h * 8;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+        for (int r = 0; r < rows; r++) {
+            const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dx, acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+        }
+    }
+    const int64_t col = c * 16 + h * 8;
+    for (int r = 0; r < rows; r++) {
+        if (bf16_out) {
+            float f[8];
+            _mm256_storeu_ps(f, acc[r]);
+            for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
+        } else {
+            _mm256_storeu_ps((float *)out + r * n + col, acc[r]);
+        }
+    }
+}
+
+/* `q8a_block` on 256-bit registers: the same xq, xd and xs bits. */
+static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float *xs) {
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * i))), 16));
+        top = _mm256_max_ps(top, _mm256_and_ps(v[i], sign));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    float amax = lanes[0];
+    for (int i = 1; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int i = 0; i < 4; i++) {
+        int32_t q[8];
+        _mm256_storeu_si256((__m256i *)q, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+        for (int e = 0; e < 8; e++) xq[8 * i + e] = (int8_t)(q[e] > 127 ? 127 : (q[e] < -128 ? -128 : q[e]));
+    }
+    *xd = amax / 127.0f;
+    const __m256 s8 = _mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *xs = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#define A2_PASS(R)                                                                                   \
+    case R:                                                                                          \
+        for (int c = 0; c < tiles_here; c++)                                                          \
+            for (int h = 0; h < 2; h++) a2_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles_here, c, h, bf16_out); \
+        break;
+
+int trioserve_int4_q8_available(void) { return 1; }
+
+/* As the AVX-512 `trioserve_int4_q8_matmul` above: the same arguments,
+ * return codes and bits. */
+int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    if (n % 16 || k % A2_BLOCK) return 1;
+    const int64_t nb = k / A2_BLOCK, tiles = n / 16, groups = (tiles + A2_TILES - 1) / A2_TILES;
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
+    int8_t *xq = malloc((size_t)(rows * k) + 1);
+    float *xd = malloc((size_t)(rows * nb) * sizeof *xd + 1), *xs = malloc((size_t)(rows * nb) * sizeof *xs + 1);
+    if (!xh || !xq || !xd || !xs) {
+        free(xh), free(xq), free(xd), free(xs);
+        return 2;
+    }
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * nb; i++) a2_q8_block(xh + i * A2_BLOCK, xq + i * A2_BLOCK, xd + i, xs + i);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t t0 = g * A2_TILES;
+            const int tiles_here = tiles - t0 < A2_TILES ? (int)(tiles - t0) : A2_TILES;
+            const uint8_t *w = packed + t0 * nb * A2_TILE_BLOCK;
+            const uint16_t *sc = scales + t0 * nb * 32;
+            for (int64_t r0 = 0; r0 < rows; r0 += A2_ROWS) {
+                const int8_t *xr = xq + r0 * k;
+                const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
+                void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + t0 * 16) : (void *)((float *)out + r0 * n + t0 * 16);
+                switch (rows - r0 >= A2_ROWS ? A2_ROWS : rows - r0) {
+                    A2_PASS(4)
+                    A2_PASS(3)
+                    A2_PASS(2)
+                    A2_PASS(1)
+                }
+            }
+        }
+    }
+    free(xh), free(xq), free(xd), free(xs);
+    return 0;
+}
+#else
+/* No AVX2 either: the int8-activation kernel says so (the torch twin runs). */
 int trioserve_int4_q8_available(void) { return 0; }
 int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
 }
+#endif
 #endif

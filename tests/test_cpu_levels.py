@@ -1,0 +1,115 @@
+"""The server at each instruction-set level of the C kernels
+($TRIOSERVE_CPU_FEATURES), as a user runs it: `trioserve serve` in its own
+process. It says at start, in one line, how it computes; the model card and
+/metrics say the same; and the AVX2 kernels (what a laptop or a Zen 3 VM
+runs) give the very tokens the native ones give, through the served path.
+
+A level this CPU cannot run is skipped with the reason."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from trioserve.config import CPU_FEATURES_ENV
+from trioserve.kernels import native
+from trioserve.kernels.cpu import default_threads, level_fits
+
+ROOT = Path(__file__).resolve().parent.parent
+START_S = 180.0  # a hang guard: the tiny model starts in ~3 s here
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m trioserve serve` on 127.0.0.1, stopped by `close`."""
+
+    def __init__(self, model: Path, level: str, *extra: str):
+        self.port = _free_port()
+        env = {**os.environ, CPU_FEATURES_ENV: level}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trioserve", "serve", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning", *extra],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        deadline = time.monotonic() + START_S
+        while not any(line.startswith("trioserve: computing on") for line in self.lines):
+            line = self.proc.stderr.readline()
+            if not line:
+                self.close()
+                pytest.fail(f"the server ended before it said how it computes:\n{''.join(self.lines)}")
+            self.lines.append(line)
+            if time.monotonic() > deadline:
+                self.close()
+                pytest.fail(f"no start-up line within {START_S} s:\n{''.join(self.lines)}")
+        self.url = f"http://127.0.0.1:{self.port}"
+        while True:  # the line comes as the engine is ready; the socket may lag it
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                pytest.fail("the server said it was computing but /health never answered 200")
+            time.sleep(0.1)
+
+    def compute_line(self) -> str:
+        return next(line for line in self.lines if line.startswith("trioserve: computing on")).strip()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stderr.close()
+
+
+def _greedy(url: str) -> list[str]:
+    body = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    assert "choices" in reply, reply
+    return reply["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx2-vnni"])
+def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_checkpoints, level):
+    unfit = level_fits(level)
+    if unfit:
+        pytest.skip(f"{CPU_FEATURES_ENV}={level}: {unfit}")
+    if native.library() is None or native.library_at(level) is None:
+        pytest.skip("no C kernels here (no C compiler, or TRIOSERVE_NATIVE_KERNELS=0)")
+    model = tiny_checkpoints["gguf_q4_1"]
+    narrow = Server(model, level)
+    try:
+        # dtype auto at a narrower level is what that CPU would get: float32 (no native bf16).
+        assert narrow.compute_line() == (
+            f"trioserve: computing on cpu, float32, native kernels ({level}), int8 activations, {default_threads()} threads"
+        )
+        want = {"device": "cpu", "dtype": "float32", "kernels": "native", "cpu_kernels": level, "activations": "int8",
+                "threads": default_threads()}  # fmt: skip
+        assert httpx.get(f"{narrow.url}/v1/models", timeout=30).json()["data"][0]["compute"] == want
+        assert httpx.get(f"{narrow.url}/metrics", timeout=30).json()["compute"] == want
+        narrow_tokens = _greedy(narrow.url)
+    finally:
+        narrow.close()
+    wide = Server(model, "native", "--dtype", "float32")
+    try:
+        assert httpx.get(f"{wide.url}/v1/models", timeout=30).json()["data"][0]["compute"]["cpu_kernels"] == native.isa()
+        assert _greedy(wide.url) == narrow_tokens  # the same bits, so the same greedy tokens
+    finally:
+        wide.close()
