@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from trioserve.config import CPU_FEATURES_ENV
 from trioserve.engine import resolve_dtype
 from trioserve.kernels.cpu import auto_dtype, cpu_flags, native_bf16
 
@@ -18,8 +19,16 @@ def test_auto_is_bfloat16_only_with_native_bf16():
     assert auto_dtype(zen2) == torch.float32 and auto_dtype(frozenset()) == torch.float32
 
 
-def test_this_machine_resolves_auto_by_its_own_flags():
+def test_this_machine_resolves_auto_by_its_own_flags(monkeypatch):
+    monkeypatch.delenv(CPU_FEATURES_ENV, raising=False)
     flags = cpu_flags()
     assert flags, "no CPU flags read on Linux"
     assert resolve_dtype("auto") == auto_dtype(flags)
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
+
+
+def test_a_narrower_level_resolves_auto_as_a_cpu_of_that_level(monkeypatch):
+    """$TRIOSERVE_CPU_FEATURES=avx2 runs what an AVX2 CPU runs, dtype too."""
+    for level in ("avx2", "avx2-vnni", "generic"):
+        monkeypatch.setenv(CPU_FEATURES_ENV, level)
+        assert not native_bf16() and resolve_dtype("auto") == torch.float32

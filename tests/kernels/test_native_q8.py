@@ -160,6 +160,34 @@ def test_every_level_gives_a_row_the_same_bits(rows, n, k, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
 
 
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 32, 2), (7, 96, 576), (33, 4096, 576), (129, 64, 34)])
+def test_the_8bit_head_gives_a_row_the_same_bits_at_every_level(rows, n, k, monkeypatch):
+    """`int8_matmul` (the quantized output head): the AVX2 build adds each
+    lane's two products as AVX-512 BF16's `vdpbf16ps` does (odd input
+    first, each addition rounded), so both give the same bits; each against
+    float64 within fp32 summation of the bf16-rounded inputs."""
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) / 64
+    pack = native.pack_int8(q, scale)
+    x = torch.randn(rows, k, generator=gen)
+    want = x.to(torch.bfloat16).double() @ (q.double() * scale.double()[:, None]).T
+    results = {}
+    for level_ in LEVELS:
+        if level_fits(level_) is None:
+            monkeypatch.setenv(CPU_FEATURES_ENV, level_)
+            if native.int8_supported(n, k):
+                results[level_] = [native.int8_matmul(pack, x.to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+    if not results:
+        pytest.skip("no 8-bit head kernel here (no AVX2 or AVX-512 BF16, or no C compiler)")
+    bound = 1e-5 * (x.abs().double() @ (q.double().abs() * scale.double()[:, None]).T) + 1e-30
+    for got in results.values():
+        assert all(((g.double() - want).abs() <= bound).all() for g in got)
+    first, *others = results.values()
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
 def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
     with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs, got 24 x 32"):
         native.pack_int4_q8(_parts(24, 32))

@@ -150,6 +150,8 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_int]
     lib.trioserve_int4_available.restype = ctypes.c_int
     lib.trioserve_int4_available.argtypes = []
+    lib.trioserve_int8_available.restype = ctypes.c_int
+    lib.trioserve_int8_available.argtypes = []
     fn = lib.trioserve_int4_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
@@ -378,9 +380,11 @@ def int4_supported(n: int, k: int) -> bool:
 
 
 def int8_supported(n: int, k: int) -> bool:
-    """Whether `int8_matmul` runs here for a [n, k] weight: as
-    `int4_supported`, with n a multiple of 32 and k even."""
-    return n > 0 and k > 0 and n % 32 == 0 and k % 2 == 0 and _bf16_kernels()
+    """Whether `int8_matmul` runs here for a [n, k] weight: the kernels
+    built, for a CPU with AVX-512 BF16 or with AVX2, FMA and F16C (the same
+    bits), n a multiple of 32 and k even."""
+    lib = library()
+    return n > 0 and k > 0 and n % 32 == 0 and k % 2 == 0 and lib is not None and bool(lib.trioserve_int8_available())
 
 
 # Tiles of 16 outputs per group in `pack_int4_q8`'s layout (Q8A_TILES in the C source).

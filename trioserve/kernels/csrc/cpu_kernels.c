@@ -9,7 +9,8 @@
  *   trioserve_silu_mul          the MLP's silu(gate) * up
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
- *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; same CPUs)
+ *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; AVX-512
+ *                               BF16, or AVX2 with the same bits)
  *   trioserve_int4_q8_matmul    rows rounded to 8 bits per block times GGUF 4-bit weights with integer
  *                               dot products (AVX-512 VNNI, or AVX2 with or without AVX-VNNI; the same
  *                               bits on each; `--activations int8`)
@@ -773,6 +774,7 @@ static inline __attribute__((always_inline)) void q4_panel_rows(const uint8_t *w
         break;
 
 int trioserve_int4_available(void) { return 1; }
+int trioserve_int8_available(void) { return 1; }
 
 
 
@@ -1060,11 +1062,84 @@ int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const v
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
 }
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* `trioserve_int8_matmul` (the output head) on 256-bit registers, with the
+ * same layout and the same bits. `vdpbf16ps` adds a lane's two exact
+ * products to its sum one at a time, the odd input's first, each addition
+ * rounded: here two fused multiply-adds in that order (a product of an
+ * int8 code and a bf16 input is exact in fp32, so fusing changes nothing).
+ * A pass computes 16 outputs (half a panel) for up to four rows. */
+#define H2_ROWS 4
+
+static inline __attribute__((always_inline)) void h2_pass(const int8_t *w, const float *scale, const float *x,
+                                                         float *out, int64_t k, int64_t n, const int rows, const int u) {
+    __m256 acc[H2_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k / 2; j++) {
+        __m256 even[2], odd[2];
+        for (int v = 0; v < 2; v++) {
+            /* 8 columns' (even, odd) code pairs as 8 int32 lanes */
+            const __m256i pairs = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w + (j * 2 + u) * 32 + v * 16)));
+            even[v] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
+            odd[v] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 24));
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256 x0 = _mm256_broadcast_ss(x + r * k + 2 * j);
+            const __m256 x1 = _mm256_broadcast_ss(x + r * k + 2 * j + 1);
+            for (int v = 0; v < 2; v++) acc[r][v] = _mm256_fmadd_ps(even[v], x0, _mm256_fmadd_ps(odd[v], x1, acc[r][v]));
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 2; v++)
+            _mm256_storeu_ps(out + r * n + u * 16 + v * 8, _mm256_mul_ps(acc[r][v], _mm256_loadu_ps(scale + u * 16 + v * 8)));
+}
+
+#define H2_PASS(R)                                                        \
+    case R:                                                               \
+        for (int u = 0; u < 2; u++) h2_pass(w, s, xr, o, k, n, R, u);     \
+        break;
+
+int trioserve_int8_available(void) { return 1; }
+
+int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *x, float *out, int64_t rows, int64_t n,
+                          int64_t k, int x_bf16, int threads) {
+    if (n % 32 || k % 2) return 1;
+    /* the inputs rounded to bf16 (as the AVX-512 kernel takes them), widened back to fp32 once */
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
+    float *xf = malloc((size_t)(rows * k) * sizeof *xf + 1);
+    if (!xh || !xf) {
+        free(xh), free(xf);
+        return 2;
+    }
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = bf16_to_float(xh[i]);
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t p = 0; p < n / 32; p++) {
+        const int8_t *w = packed + p * 32 * k;
+        const float *s = scale + p * 32;
+        for (int64_t r0 = 0; r0 < rows; r0 += H2_ROWS) {
+            const float *xr = xf + r0 * k;
+            float *o = out + r0 * n + p * 32;
+            switch (rows - r0 >= H2_ROWS ? H2_ROWS : rows - r0) {
+                H2_PASS(4)
+                H2_PASS(3)
+                H2_PASS(2)
+                H2_PASS(1)
+            }
+        }
+    }
+    free(xh), free(xf);
+    return 0;
+}
+#else
+int trioserve_int8_available(void) { return 0; }
 int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *x, float *out, int64_t rows, int64_t n,
                           int64_t k, int x_bf16, int threads) {
     (void)packed, (void)scale, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)threads;
     return 4;
 }
+#endif
 #endif
 
 /* Without AVX-512 VNNI, the same kernel on 256-bit registers: AVX2 with FMA
