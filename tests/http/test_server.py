@@ -531,7 +531,7 @@ async def test_queue_full_gets_429(nursery, tiny_gguf, slow_steps):
 METRIC_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "steps", "prompt_tokens",
     "generated_tokens", "finished", "queue_wait", "ttft", "inter_token", "end_to_end", "dead", "prefix_cache", "sessions", "responses",
-    "batch_invariant", "activations", "speculative",
+    "batch_invariant", "activations", "speculative", "compute",
 }
 
 
@@ -547,6 +547,9 @@ async def test_health_and_metrics(server):
             assert before["kv_blocks_total"] == 4 * MAX_MODEL_LEN // 4 and before["kv_blocks_used"] == 0 and before["dead"] is None
             assert before["batch_invariant"] is True  # the default
             assert before["activations"] == "bf16"  # auto, for a checkpoint without 4-bit codes (test_session_kv: one with them)
+            # How the model computes (also the start-up line and the model card): tests/test_cpu_levels.py checks each field.
+            assert set(before["compute"]) == {"device", "dtype", "kernels", "cpu_kernels", "activations", "threads"}
+            assert before["compute"]["device"] == "cpu" and before["compute"]["activations"] == before["activations"]
             for key in ("queue_wait", "ttft", "inter_token", "end_to_end"):
                 assert set(before[key]) == {"count", "sum_s", "mean_s"}, before[key]
 

@@ -189,9 +189,9 @@ def test_refuses_reads_outside_the_pool_and_shapes_it_does_not_take():
 def fresh_library(monkeypatch, tmp_path):
     """library() rebuilt for one test in an empty cache, then as it was."""
     monkeypatch.setenv("TRIOSERVE_CACHE_DIR", str(tmp_path))
-    native.library.cache_clear()
+    native.library_at.cache_clear()
     yield
-    native.library.cache_clear()
+    native.library_at.cache_clear()
 
 
 def test_disabled_or_unbuildable_falls_back_with_a_warning(fresh_library, monkeypatch, caplog):
@@ -199,7 +199,7 @@ def test_disabled_or_unbuildable_falls_back_with_a_warning(fresh_library, monkey
     assert native.library() is None
     with pytest.raises(RuntimeError, match="not available"):
         native.decode_attention(torch.randn(1, 1, 16), torch.randn(1, 1, 16, 16), torch.randn(1, 1, 16, 16), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0.25)
-    native.library.cache_clear()
+    native.library_at.cache_clear()
     monkeypatch.delenv(native.DISABLE_ENV)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="trioserve.kernels.native"):

@@ -93,12 +93,12 @@ def test_projection_takes_the_kernel_where_it_runs_and_torch_int4_elsewhere(monk
     odd = Projection(_parts(48, 64, Q.Q4_1).dequantize().to(torch.bfloat16), None, _parts(48, 64, Q.Q4_1))
     assert odd.native is None and odd.packed is not None
     monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library.cache_clear()
+    native.library_at.cache_clear()
     try:
         off = Projection(weight, None, parts)
     finally:
         monkeypatch.delenv(native.DISABLE_ENV)
-        native.library.cache_clear()
+        native.library_at.cache_clear()
     assert off.native is None and off.packed is not None
     for proj in (chosen, off):
         assert (proj.fixed(x, 5).double() - exact).abs().max() <= 0.03 * exact.abs().max()
@@ -117,12 +117,12 @@ def test_the_tiny_model_decodes_the_same_tokens_through_either_int4_path(tiny_ch
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")  # the two bf16-activation paths
     assert all(p.native is not None for p in (fast.layers[0].qkv, fast.layers[0].o, fast.layers[0].gate_up, fast.layers[0].down))
     monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library.cache_clear()
+    native.library_at.cache_clear()
     try:
         slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
     finally:
         monkeypatch.delenv(native.DISABLE_ENV)
-        native.library.cache_clear()
+        native.library_at.cache_clear()
     assert slow.layers[0].qkv.native is None and slow.layers[0].qkv.packed is not None
     caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}
     prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
