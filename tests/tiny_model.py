@@ -27,13 +27,15 @@ TINY = dict(
 )
 
 
-def tiny_weights(vocab_size: int, *, seed: int = 0, tie: bool = False) -> dict[str, np.ndarray]:
-    """HF-named float32 weights. Scaled so activations stay O(1) and the
-    logits are far from uniform (a forward bug then shows)."""
+def tiny_weights(vocab_size: int, *, seed: int = 0, tie: bool = False, shape: dict | None = None) -> dict[str, np.ndarray]:
+    """HF-named float32 weights (of TINY's shape, or ``shape``, with TINY's
+    keys). Scaled so activations stay O(1) and the logits are far from
+    uniform (a forward bug then shows)."""
+    shape = shape or TINY
     rng = np.random.default_rng(seed)
-    h, f = TINY["hidden_size"], TINY["intermediate_size"]
-    hd = h // TINY["num_attention_heads"]
-    kv = TINY["num_key_value_heads"] * hd
+    h, f = shape["hidden_size"], shape["intermediate_size"]
+    hd = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hd
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
@@ -44,7 +46,7 @@ def tiny_weights(vocab_size: int, *, seed: int = 0, tie: bool = False) -> dict[s
     w = {"model.embed_tokens.weight": rng.standard_normal((vocab_size, h)).astype(np.float32), "model.norm.weight": norm(h)}
     if not tie:
         w["lm_head.weight"] = mat(vocab_size, h)
-    for i in range(TINY["num_hidden_layers"]):
+    for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(h)
         w[p + "post_attention_layernorm.weight"] = norm(h)
@@ -126,20 +128,28 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     arch: str = "llama",
     chat_template: str | None = None,
+    shape: dict | None = None,
+    qtype_of=None,
 ) -> Path:
     """Write the model as llama.cpp would: GGUF names, permuted Q/K rows, 2-D
-    matrices in ``qtype`` (norms stay F32)."""
+    matrices in ``qtype`` (norms stay F32), or in ``qtype_of(hf_name)`` where
+    given (a mixed-type file, as llama-quantize's _M types write); Q4_K
+    through tests/k_quants.py. ``shape``: TINY's keys, for weights of
+    another shape (`tiny_weights(shape=...)`)."""
+    from tests.k_quants import quantize_q4_k
+
+    shape = shape or TINY
     writer = gguf.GGUFWriter(str(path), arch)
-    heads, kv_heads = TINY["num_attention_heads"], TINY["num_key_value_heads"]
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    writer.add_block_count(shape["num_hidden_layers"])
+    writer.add_context_length(shape["max_position_embeddings"])
+    writer.add_embedding_length(shape["hidden_size"])
+    writer.add_feed_forward_length(shape["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(TINY["rope_theta"])
-    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    writer.add_rope_dimension_count(TINY["hidden_size"] // heads)
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["rms_norm_eps"])
+    writer.add_rope_dimension_count(shape["hidden_size"] // heads)
     for key, value in gguf_tokenizer_metadata(tokenizer, chat_template=chat_template).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -151,11 +161,14 @@ def write_gguf(
             writer.add_array(key, list(value))
     for name, array in weights.items():
         if name.endswith("q_proj.weight"):
-            array = permute_rows(array, heads)
+            array = permute_rows(array, heads)  # heads of this shape
         elif name.endswith("k_proj.weight"):
             array = permute_rows(array, kv_heads)
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_tensor_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        kind = qtype_of(name) if qtype_of is not None and array.ndim == 2 else qtype
+        if array.ndim == 2 and kind == gguf.GGMLQuantizationType.Q4_K:
+            writer.add_tensor(_gguf_tensor_name(name), quantize_q4_k(array), raw_dtype=kind)
+        elif array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_tensor_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(_gguf_tensor_name(name), array)
     writer.write_header_to_file()

@@ -46,9 +46,16 @@ class Int4Parts:
         return w.view(n, k)
 
 
+# The GGUF types whose codes are 4 bits in groups of 32, and so run on the 4-bit kernels.
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+
+
 def parts_from_gguf(raw: np.ndarray, qtype_name: str) -> Int4Parts:
-    """Split raw GGUF rows ([N, blocks * bytes_per_block] uint8) of a Q4_0 or
-    Q4_1 tensor into 4-bit codes and per-group scale and zero."""
+    """Split raw GGUF rows ([N, blocks * bytes_per_block] uint8) of a Q4_0,
+    Q4_1 or Q4_K tensor into 4-bit codes and per-group scale and zero."""
+    if qtype_name == "Q4_K":
+        return _parts_from_q4_k(np.asarray(raw))
     rows = raw.shape[0]
     header = {"Q4_0": 2, "Q4_1": 4}[qtype_name]
     blocks = np.asarray(raw).reshape(rows, -1, header + GROUP // 2)
@@ -62,6 +69,32 @@ def parts_from_gguf(raw: np.ndarray, qtype_name: str) -> Int4Parts:
     # Low nibbles are a block's first 16 values, high nibbles the last 16.
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
     return Int4Parts(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def _parts_from_q4_k(raw: np.ndarray) -> Int4Parts:
+    """Q4_K rows as groups of 32: each super-block of 256 weights holds f16
+    d and dmin, and for each of its 8 groups a 6-bit scale s and min m, so
+    w = d s q - dmin m. A group's scale d s and offset -dmin m are rounded
+    to f16 here (what the 4-bit kernels take: each is off by at most 2^-11
+    of itself, far inside the 4-bit codes' own error); the codes are the
+    file's. Group j's codes are the low nibbles of the super-block's bytes
+    32 (j // 2) .. 32 (j // 2) + 31 for even j, the high ones for odd j."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q4_K_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc = blocks[..., 4:16].astype(np.int32)  # [rows, supers, 12]
+    # Groups 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); groups
+    # 4-7: the low nibble (scale) and high nibble (min) of bytes 8-11, over
+    # the top 2 bits of bytes 0-3 (scale) and 4-7 (min).
+    scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+    group_d = (d[..., None] * scale).astype(np.float16).astype(np.float32)  # [rows, supers, 8]
+    group_m = (-dmin[..., None] * mins).astype(np.float16).astype(np.float32)
+    packed = blocks[..., 16:].reshape(rows, -1, 4, 32)  # [rows, supers, chunk, byte]
+    q = np.stack([packed & 0x0F, packed >> 4], axis=3).reshape(rows, -1)  # chunk, (low, high), byte
+    zero = group_m + 8 * group_d
+    return Int4Parts(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(group_d.reshape(rows, -1)), torch.from_numpy(zero.reshape(rows, -1)))
 
 
 def concat_rows(parts: list[Int4Parts]) -> Int4Parts:
@@ -221,6 +254,9 @@ class Projection:
             else:
                 d = int4.scale.float()
                 self.q8_twin = (int4.q, d, (int4.zero.float() - 8 * d).half().float())
+            # Every row takes the codes, so the dense weight is never read:
+            # keep only its shape and dtype (a meta tensor), not its bytes.
+            self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
         elif use_native and native.int4_supported(*int4.q.shape):
             # The C kernel (kernels/native.py): faster, and exact products
             # of the bf16 inputs with the 4-bit codes, where torch's op
@@ -289,6 +325,26 @@ class Projection:
             y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_zeros)
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class StackedProjection:
+    """Projections side by side, one output: a fused matrix whose parts the
+    file stores in different types (a Q4_K_M file's q and k in Q4_K and v in
+    Q6_K), each part run its own way; a row's result is its parts' results,
+    each computed from that row alone."""
+
+    def __init__(self, parts: list[Projection]):
+        self.parts = parts
+
+    @property
+    def quantized(self) -> bool:
+        return any(p.quantized for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, int4_rows: int = 0) -> torch.Tensor:
+        return torch.cat([p(x, int4_rows) for p in self.parts], dim=-1)
+
+    def fixed(self, x: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        return torch.cat([p.fixed(x, decode_rows) for p in self.parts], dim=-1)
 
 
 class Int8Rows:

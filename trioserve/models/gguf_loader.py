@@ -3,7 +3,9 @@ Hugging Face names and with llama.cpp's Q/K row permutation undone."""
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -11,8 +13,8 @@ import numpy as np
 import torch
 
 from trioserve.errors import CheckpointError, TokenizerError
-from trioserve.kernels.int4 import Int4Parts, parts_from_gguf
-from trioserve.models.checkpoint import Checkpoint, Progress, check_complete
+from trioserve.kernels.int4 import INT4_TYPES, Int4Parts, parts_from_gguf
+from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
 from trioserve.models.tokenizer import Tokenizer
@@ -98,24 +100,37 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     check_complete(path, config, shapes, spelled=gguf_name)
     tokenizer = _tokenizer(meta, path)
 
-    weights: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
+    made: dict[str, Callable[[], torch.Tensor]] = {}
     int4: dict[str, Int4Parts] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
-        array = tensor_array(t)
         heads = _permuted_heads(config, name)
-        if heads:
-            array = unpermute_rows(array, heads)
-        if not np.isfinite(array).all():
-            raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
-        if t.tensor_type in (Q.Q4_0, Q.Q4_1) and name.startswith("model.layers.") and array.ndim == 2:
+        if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
+            # Kept as 4-bit codes; dense only when asked for (LazyWeights).
             parts = parts_from_gguf(t.data, t.tensor_type.name)
             if heads:
-                parts = parts.take_rows(unpermute_rows(np.arange(array.shape[0]), heads))
+                parts = parts.take_rows(unpermute_rows(np.arange(parts.q.shape[0]), heads))
+            if not (torch.isfinite(parts.scale).all() and torch.isfinite(parts.zero).all()):
+                raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
             int4[name] = parts
+            made[name] = functools.partial(_dense, path, t, heads, dtype)
+        else:
+            held[name] = _dense(path, t, heads, dtype)
         if progress is not None:
             progress(done, len(tensors))
+    weights = LazyWeights(held, made, list(tensors))
     return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=int4)
+
+
+def _dense(path: Path, t: gguf.ReaderTensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``t`` dequantized as the gguf package does it, rows unpermuted
+    for ``heads`` heads, in ``dtype``; CheckpointError if not finite."""
+    array = tensor_array(t)
+    if heads:
+        array = unpermute_rows(array, heads)
+    if not np.isfinite(array).all():
+        raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:

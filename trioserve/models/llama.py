@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import memory
-from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, concat_rows, tiled_head
+from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, tiled_head
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
@@ -120,12 +120,25 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device).contiguous()
 
-        def projection(names: list[str], bias_names: list[str] | None = None) -> Projection:
-            """One matrix from ``names`` stacked by rows (fused projections)."""
+        def fused(names: list[str], bias_names: list[str] | None) -> Projection:
             weight = torch.cat([w(n) for n in names]).contiguous()
             bias = torch.cat([w(n) for n in bias_names]) if bias_names else None
             parts = concat_rows([int4[n] for n in names]) if all(n in int4 for n in names) else None
             return self.kernels.projection(weight, bias, parts)
+
+        def projection(names: list[str], bias_names: list[str] | None = None) -> Projection | StackedProjection:
+            """One matrix from ``names`` stacked by rows (fused projections);
+            where some have 4-bit codes and some not (a mixed-type file),
+            one fused matrix per run of alike, side by side."""
+            runs: list[list[int]] = []
+            for i, n in enumerate(names):
+                if runs and (names[runs[-1][0]] in int4) == (n in int4):
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            if len(runs) == 1:
+                return fused(names, bias_names)
+            return StackedProjection([fused([names[i] for i in run], [bias_names[i] for i in run] if bias_names else None) for run in runs])
 
         self.embed = w("model.embed_tokens.weight")
         # Norm weights are kept in fp32, in which norms compute anyway.
@@ -154,7 +167,7 @@ class LlamaModel:
         # step, and the int8 kernel computes each row on its own, so it is
         # batch-invariant as it is (bench/README.md, "Performance").
         # On a GPU the dense head (cuBLAS) serves instead.
-        quantized = bool(self.layers) and self.layers[0].qkv.quantized
+        quantized = bool(self.layers) and any(p.quantized for p in (self.layers[0].qkv, self.layers[0].gate_up))
         self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)

@@ -1,0 +1,100 @@
+"""Q4_K, the type most downloaded GGUF files (Q4_K_M) store most tensors
+in: its codes run on the 4-bit kernels, never dequantized to a dense copy;
+a file whose fused projections mix types (q and k in Q4_K, v in another)
+runs each part its own way; the logits and greedy picks agree with the
+float32 model of the dequantized weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.k_quants import quantize_q4_k
+from tests.tiny_model import TINY, tiny_weights, write_gguf
+from tests.tiny_tokenizer import train_tiny_tokenizer
+from trioserve.kernels.int4 import Projection, StackedProjection, parts_from_gguf
+from trioserve.models.checkpoint import load_checkpoint
+from trioserve.models.llama import LlamaModel
+from trioserve.models.step import SeqChunk, build_step
+
+Q = gguf.GGMLQuantizationType
+# K-quants work in super-blocks of 256 inputs: hidden and FFN sizes are multiples of it.
+SHAPE = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_the_writer_and_the_loaders_codes_are_the_files():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((8, 512)) * 0.05 + rng.uniform(-0.02, 0.02, (8, 1))).astype(np.float32)
+    raw = quantize_q4_k(w)
+    assert raw.shape == (8, 2 * 144)
+    file = gguf.quants.dequantize(raw, Q.Q4_K).reshape(8, 512)
+    step = (w.reshape(8, 2, 8, 32).max(-1) - np.minimum(w.reshape(8, 2, 8, 32).min(-1), 0)) / 15
+    assert (np.abs(file - w).reshape(8, 2, 8, 32) <= step[..., None] * 0.5 * 1.2 + 1e-4).all()  # half a step, plus the 6-bit scales
+    parts = parts_from_gguf(raw, "Q4_K")
+    assert parts.q.shape == (8, 512) and parts.scale.shape == (8, 16) and int(parts.q.max()) <= 15
+    # The group scale and offset are rounded to f16 (the 4-bit kernels' form): within 2^-11 of each term.
+    terms = (parts.q.float().view(8, 16, 32) * parts.scale[..., None].abs()).view(8, 512)
+    terms = terms + (parts.zero - 8 * parts.scale).abs().repeat_interleave(32, dim=1)
+    assert ((parts.dequantize() - torch.from_numpy(file)).abs() <= terms * 2**-10 + 1e-7).all()
+
+
+def _mixed(name: str) -> Q:
+    """A Q4_K_M-like choice: most matrices Q4_K, v and down in 8 bits (where
+    llama-quantize puts Q6_K), the embedding Q8_0."""
+    if name.endswith(("v_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        return Q.Q8_0
+    return Q.Q4_K
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    tokenizer = train_tiny_tokenizer()
+    weights = tiny_weights(tokenizer.get_vocab_size(), seed=3, shape=SHAPE)
+    path = tmp_path_factory.mktemp("kq") / "tiny-q4_k_m.gguf"
+    return write_gguf(path, weights, tokenizer, shape=SHAPE, qtype_of=_mixed)
+
+
+def test_q4_k_tensors_load_as_codes_and_are_never_held_dense(mixed_gguf):
+    ckpt = load_checkpoint(mixed_gguf)
+    a = "model.layers.0.self_attn."
+    assert set(ckpt.int4) == {
+        f"model.layers.{i}.{n}" for i in range(2)
+        for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+    }  # fmt: skip
+    assert not ckpt.weights.is_held(a + "q_proj.weight") and ckpt.weights.is_held(a + "v_proj.weight")
+    # Asked for, a dense weight is the file's values, as the gguf package dequantizes them (rows unpermuted).
+    reader = gguf.GGUFReader(str(mixed_gguf))
+    o = next(t for t in reader.tensors if t.name == "blk.0.attn_output.weight")
+    want = gguf.quants.dequantize(o.data, o.tensor_type).reshape(256, 256)
+    assert torch.equal(ckpt.weights[a + "o_proj.weight"], torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, kernels):
+    """With int8 activations (the C kernel where it runs, or its torch twin)
+    the Q4_K parts run on their codes and the 8-bit parts dense, side by
+    side; logits within the 8-bit rounding's reach of the float32 model of
+    the dequantized weights, and the same greedy tokens."""
+    ckpt = load_checkpoint(mixed_gguf, dtype=torch.float32)
+    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
+    exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
+    layer = fast.layers[0]
+    assert isinstance(layer.qkv, StackedProjection) and [p.quantized for p in layer.qkv.parts] == [True, False]
+    assert isinstance(layer.gate_up, Projection) and layer.gate_up.every_row_8bit
+    assert layer.gate_up.weight.is_meta and layer.o.weight.is_meta  # no dense copy kept
+    assert not layer.down.quantized and fast.head_int8 is not None
+    # Teacher-forced on the float32 model's greedy tokens: at every step the
+    # logits lie within 5% of the largest (2.5% measured), and the codes pick
+    # float32's token at all but its near ties (one step here, where its top
+    # two logits lie 5e-5 of the largest apart).
+    caches = {m: m.new_kv_cache(8, 4) for m in (fast, exact)}
+    step = build_step([SeqChunk([5, 9, 33, 7, 2, 8, 11, 4], 0, [0, 1])], 4, fixed=True)
+    same = 0
+    for pos in range(8, 16):
+        a, b = fast.forward(step, caches[fast])[-1], exact.forward(step, caches[exact])[-1]
+        assert (a - b).abs().max() <= 0.05 * b.abs().max(), pos
+        same += int(a.argmax()) == int(b.argmax())
+        step = build_step([SeqChunk([int(b.argmax())], pos, [0, 1, 2, 3], decode=True)], 4, fixed=True)
+    assert same >= 7, f"the codes chose float32's token at {same} of 8 steps"
