@@ -12,7 +12,16 @@ import torch
 from trioserve.kernels import native, reference
 from trioserve.models.step import SeqChunk, build_step
 
-TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 3e-2}  # the twin rounds scores and probabilities to bf16
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built(request) -> None:
+    """Every test here runs the C kernels, except those marked as testing
+    what happens without them: where no C compiler works (or
+    TRIOSERVE_NATIVE_KERNELS=0) they skip, saying so."""
+    if request.node.get_closest_marker("without_kernels") is None and native.library() is None:
+        pytest.skip("no C kernels here: no working C compiler ($CC), or TRIOSERVE_NATIVE_KERNELS=0")  # the twin rounds scores and probabilities to bf16
 
 
 def _case(gen, *, seqs, heads, kv_heads, dim, block_size, dtype, extra=0):
@@ -194,6 +203,7 @@ def fresh_library(monkeypatch, tmp_path):
     native.library_at.cache_clear()
 
 
+@pytest.mark.without_kernels
 def test_disabled_or_unbuildable_falls_back_with_a_warning(fresh_library, monkeypatch, caplog):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.library() is None
@@ -309,6 +319,7 @@ def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_c
             assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.without_kernels
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_a_bad_native_kernels_value_is_one_error_line_and_exit_2(command, tiny_checkpoints):
     """TRIOSERVE_NATIVE_KERNELS=sometimes: one line naming the variable and
