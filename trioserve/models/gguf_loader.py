@@ -102,24 +102,29 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
 
     held: dict[str, torch.Tensor] = {}
     made: dict[str, Callable[[], torch.Tensor]] = {}
-    int4: dict[str, Int4Parts] = {}
+    int4: dict[str, Callable[[], Int4Parts]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
-            # Kept as 4-bit codes; dense only when asked for (LazyWeights).
-            parts = parts_from_gguf(t.data, t.tensor_type.name)
-            if heads:
-                parts = parts.take_rows(unpermute_rows(np.arange(parts.q.shape[0]), heads))
+            # Made from the mapped file when asked for, as codes or dense (LazyWeights).
+            int4[name] = functools.partial(_parts, t, heads)
+            parts = int4[name]()
             if not (torch.isfinite(parts.scale).all() and torch.isfinite(parts.zero).all()):
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
-            int4[name] = parts
             made[name] = functools.partial(_dense, path, t, heads, dtype)
         else:
             held[name] = _dense(path, t, heads, dtype)
         if progress is not None:
             progress(done, len(tensors))
     weights = LazyWeights(held, made, list(tensors))
-    return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=int4)
+    codes = LazyWeights({}, int4, list(int4))
+    return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes)
+
+
+def _parts(t: gguf.ReaderTensor, heads: int) -> Int4Parts:
+    """Tensor ``t``'s 4-bit codes, rows unpermuted for ``heads`` heads."""
+    parts = parts_from_gguf(t.data, t.tensor_type.name)
+    return parts.take_rows(unpermute_rows(np.arange(parts.q.shape[0]), heads)) if heads else parts
 
 
 def _dense(path: Path, t: gguf.ReaderTensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
