@@ -17,6 +17,7 @@ import trio
 
 from trioserve.actors.device import DeviceThread, run_blocking
 from trioserve.actors.messages import SampleRequest, StepRequest, deliver
+from trioserve.kernels.cpu import ThreadGovernor
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.pooling import FRACTION_BITS, LIMIT
 from trioserve.types import StepPlan, StepResult
@@ -130,10 +131,24 @@ def fixed_point_sums(hidden: torch.Tensor, counts: list[int]) -> tuple[tuple[int
     return tuple(out)
 
 
-def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | StepOutput:
+def forward_step(model, cache, block_size: int, plan: StepPlan, governor: ThreadGovernor | None = None) -> StepResult | StepOutput:
     """The blocking part, run in the worker thread: the logits of the
     plan's sampling rows and the sums of its pooling rows, or the
-    StepResult that says why there are none."""
+    StepResult that says why there are none. ``governor``: chooses the
+    step's CPU threads and is told how long it took (only for a model whose
+    bits do not depend on them)."""
+    if governor is None:
+        return _forward_step(model, cache, block_size, plan)
+    tokens = sum(len(r.token_ids) for r in plan.rows)
+    threads = governor.choose(tokens)
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    out = _forward_step(model, cache, block_size, plan)
+    governor.record(tokens, threads, time.perf_counter() - started)
+    return out
+
+
+def _forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | StepOutput:
     try:
         chunks, index = step_chunks(plan)
         batch = build_step(chunks, block_size, model.device, fixed=model.batch_invariant)
@@ -158,6 +173,16 @@ def forward_step(model, cache, block_size: int, plan: StepPlan) -> StepResult | 
         return StepResult(plan.number, fatal=f"{type(exc).__name__}: {exc}")
 
 
+def thread_governor(model) -> ThreadGovernor | None:
+    """A governor of the steps' CPU threads, up to torch's count now (the
+    cores the process may use, or --threads), for a CPU model whose bits do
+    not depend on them; else None (every step on that count)."""
+    most = torch.get_num_threads()
+    if model.device.type != "cpu" or most < 2 or not getattr(model.kernels, "thread_invariant", False):
+        return None
+    return ThreadGovernor(most)
+
+
 async def run_worker(
     model,
     cache,
@@ -175,11 +200,12 @@ async def run_worker(
     interrupted), then ends the actor."""
     block_size = cache.block_size
     trimmer = HeapTrimmer()
+    governor = thread_governor(model)
     task_status.started()
     async with inbox:
         async for request in inbox:
             plan = request.plan
-            out = await run_blocking(device, forward_step, model, cache, block_size, plan)
+            out = await run_blocking(device, forward_step, model, cache, block_size, plan, governor)
             if isinstance(out, StepResult):
                 deliver(request.reply, out)  # False: the scheduler stopped waiting
             elif not plan.sampling:

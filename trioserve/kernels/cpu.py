@@ -82,3 +82,60 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+class ThreadGovernor:
+    """Chooses how many CPU threads each step runs on, from how fast steps
+    of its size ran on each count: all the cores when the machine is quiet,
+    fewer when another process holds one of them.
+
+    Why: a step is a few hundred parallel regions, each ending when its
+    slowest thread does. Beside a busy loop on one of two cores, the thread
+    there gets the core a share of the time, and the default model's decode
+    step went from 8.6 to 22.7 ms (1 sequence) and from 44 to 278 ms (32),
+    where one thread took 13.5 and 72 ms, busy loop or not (bench/README.md,
+    "Every CPU"). So each count's seconds per step are kept per step size
+    (a power-of-two bucket of its tokens), each count is tried once, the
+    fastest runs, and every ``explore_every``-th step of a size tries
+    another count, so a change in load is seen. Only for arithmetic whose
+    bits do not depend on the thread count (the C kernels with int8
+    activations: `Kernels.thread_invariant`); a plain class with no clock
+    of its own (the caller times the steps)."""
+
+    def __init__(self, most: int, explore_every: int = 64, weight: float = 0.5):
+        self.choices = sorted({most, most - 1, 1} - {0}, reverse=True) if most > 1 else [1]
+        self.explore_every = explore_every
+        self.weight = weight  # of a new measurement in a count's running average
+        self._cost: dict[tuple[int, int], float] = {}
+        self._steps: dict[int, int] = {}
+        self._explored: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        return max(tokens, 1).bit_length()
+
+    def choose(self, tokens: int) -> int:
+        """The thread count for a step of ``tokens`` tokens."""
+        b = self.bucket(tokens)
+        n = self._steps.get(b, 0)
+        self._steps[b] = n + 1
+        untried = [t for t in self.choices if (b, t) not in self._cost]
+        if untried:
+            return untried[0]
+        best = min(self.choices, key=lambda t: self._cost[b, t])
+        if n % self.explore_every == self.explore_every - 1:
+            others = [t for t in self.choices if t != best]
+            k = self._explored.get(b, 0)
+            self._explored[b] = k + 1
+            return others[k % len(others)]
+        return best
+
+    def record(self, tokens: int, threads: int, seconds: float) -> None:
+        """A step of ``tokens`` tokens took ``seconds`` on ``threads`` threads."""
+        key = (self.bucket(tokens), threads)
+        old = self._cost.get(key)
+        self._cost[key] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def cost(self, tokens: int, threads: int) -> float | None:
+        """The running average of such steps' seconds, or None (never run)."""
+        return self._cost.get((self.bucket(tokens), threads))

@@ -33,6 +33,9 @@ class Kernels:
     # Attention reads the pool where it lies (no gathered copy of K and V),
     # for every group: the model then needs no gather buffers.
     reads_in_place = False
+    # Whether a step's bits are the same on any number of CPU threads (then
+    # the worker may choose the count per step: kernels/cpu.py ThreadGovernor).
+    thread_invariant = False
 
     def __init__(self, activations: str = "bf16") -> None:
         # How the 4-bit projections' rows take their inputs: "bf16" or "int8" (`--activations`).
@@ -111,6 +114,14 @@ class NativeKernels(Kernels):
         super().__init__(activations)
         self._native = native
         self.reads_in_place = attention_in_c
+
+    @property
+    def thread_invariant(self) -> bool:
+        """With int8 activations every projection, the head, attention and
+        the elementwise work run in C kernels that give each row the same
+        bits on any number of threads (each tested so); bf16 prompt rows
+        go through torch's matmuls, which promise no such thing."""
+        return self.activations == "int8" and self.reads_in_place
 
     def projection(self, weight, bias, int4):
         # The C 4-bit kernel for the activations where it takes the shape.
