@@ -36,10 +36,12 @@ LONG_PROMPT = 2048
 # bfloat16+int4+invariant+int8act: what the server runs by default on a CPU
 # with AVX-512 VNNI (--activations auto), bfloat16+int4+invariant elsewhere (4-bit weights for
 # generated tokens, batch-invariant arithmetic); without "+invariant":
-# --no-batch-invariant; "+int8act": --activations int8.
+# --no-batch-invariant; "+int8act": --activations int8. float32+int4+invariant+int8act:
+# what a CPU without native bf16 runs by default (AVX2: TRIOSERVE_CPU_FEATURES=avx2
+# runs that path on a wider CPU, with ATEN_CPU_CAPABILITY=avx2 for torch's own).
 VARIANTS = (
     "bfloat16+int4+invariant", "bfloat16+int4+invariant+int8act", "bfloat16+int4", "bfloat16+invariant", "bfloat16",
-    "float32+invariant", "float32",
+    "float32+invariant", "float32", "float32+int4+invariant", "float32+int4+invariant+int8act",
 )
 
 

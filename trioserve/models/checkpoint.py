@@ -76,6 +76,13 @@ class Checkpoint:
     # 4-bit codes (same names, same row order as ``weights``, where they are
     # made dense only when asked for: LazyWeights).
     int4: Mapping[str, Int4Parts] = attrs.field(factory=dict)
+    # Matrices read a few rows at a time (the embedding) that the file holds
+    # quantized: rows(ids) makes just those rows, in the serving dtype, the
+    # same values as the dense weight's (which is then made only when asked).
+    rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = attrs.field(factory=dict)
+    # Called once a model holds what it needs: the file's mapped pages leave
+    # the resident memory (a GGUF's codes were packed into the kernel's layout).
+    drop_file_pages: Callable[[], None] = lambda: None
 
     @property
     def name(self) -> str:

@@ -4,6 +4,7 @@ Hugging Face names and with llama.cpp's Q/K row permutation undone."""
 from __future__ import annotations
 
 import functools
+import mmap
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -103,6 +104,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     held: dict[str, torch.Tensor] = {}
     made: dict[str, Callable[[], torch.Tensor]] = {}
     int4: dict[str, Callable[[], Int4Parts]] = {}
+    rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
@@ -112,13 +114,45 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             if not (torch.isfinite(parts.scale).all() and torch.isfinite(parts.zero).all()):
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
             made[name] = functools.partial(_dense, path, t, heads, dtype)
+        elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
+            # Read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows): dense only
+            # when asked for. Checked whole once, here.
+            _dense(path, t, heads, dtype)
+            made[name] = functools.partial(_dense, path, t, heads, dtype)
+        elif name == "model.embed_tokens.weight" and t.tensor_type not in DENSE_TYPES:
+            # Looked up a few rows a step: made from the file's rows (LlamaModel keeps no dense copy
+            # where no dense head reads it). Checked whole once, here.
+            _dense(path, t, heads, dtype)
+            made[name] = functools.partial(_dense, path, t, heads, dtype)
+            rows[name] = functools.partial(_rows, t, dtype)
         else:
             held[name] = _dense(path, t, heads, dtype)
         if progress is not None:
             progress(done, len(tensors))
     weights = LazyWeights(held, made, list(tensors))
     codes = LazyWeights({}, int4, list(int4))
-    return Checkpoint(path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes)
+    return Checkpoint(
+        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, rows=rows, drop_file_pages=functools.partial(_drop_pages, reader)
+    )
+
+
+def _drop_pages(reader: gguf.GGUFReader) -> None:
+    """Let the kernel drop the mapped file's pages from this process's
+    resident memory (they are clean: read again from the file if touched)."""
+    region = getattr(reader.data, "_mmap", None)
+    if region is not None and hasattr(region, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        region.madvise(mmap.MADV_DONTNEED)
+
+
+DENSE_TYPES = (Q.F32, Q.F16, Q.BF16)
+
+
+def _rows(t: gguf.ReaderTensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the quantized 2-D tensor ``t``, dequantized as the
+    whole tensor is (a row's blocks are its own), in ``dtype``: [len(ids), columns]."""
+    data = np.asarray(t.data)[ids.reshape(-1).cpu().numpy()]
+    array = gguf.quants.dequantize(data, t.tensor_type).reshape(len(data), -1)
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype).reshape(*ids.shape, -1)
 
 
 def _parts(t: gguf.ReaderTensor, heads: int) -> Int4Parts:

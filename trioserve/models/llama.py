@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -84,6 +84,7 @@ class LlamaModel:
         batch_invariant: bool = False,
         kernels: str = "auto",
         activations: str = "auto",
+        rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -98,7 +99,8 @@ class LlamaModel:
         reference or triton: kernels/ops.py). ``activations``: how the 4-bit
         rows take their inputs (auto, bf16 or int8: `select_kernels`; a model
         without 4-bit codes has no such rows, and runs bf16, with a warning
-        when int8 was asked for)."""
+        when int8 was asked for). ``rows``: Checkpoint.rows (the embedding
+        made row by row where it can be)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -169,6 +171,18 @@ class LlamaModel:
         # On a GPU the dense head (cuBLAS) serves instead.
         quantized = bool(self.layers) and any(p.quantized for p in (self.layers[0].qkv, self.layers[0].gate_up))
         self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
+        # The embedding is read a few rows a step. Where the file holds it
+        # quantized and no dense head reads it, only those rows are made, from
+        # the file, each step (Checkpoint.rows): no dense copy of 4 or 2 bytes a weight.
+        if self.head_int8 is not None and not config.tie_embeddings:
+            self.lm_head = torch.empty(self.lm_head.shape, dtype=self.lm_head.dtype, device="meta")  # the 8-bit copy serves
+        self.embed_rows = None
+        source = (rows or {}).get("model.embed_tokens.weight")
+        if source is not None and self.device.type == "cpu" and (self.head_int8 is not None or not config.tie_embeddings):
+            self.embed_rows = source
+            self.embed = torch.empty(self.embed.shape, dtype=self.embed.dtype, device="meta")
+            if config.tie_embeddings:
+                self.lm_head = self.embed  # the 8-bit head serves: head_int8
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
@@ -189,10 +203,12 @@ class LlamaModel:
         activations: str = "auto",
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
-        return cls(
+        model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
-            activations=activations,
+            activations=activations, rows=checkpoint.rows,
         )  # fmt: skip
+        checkpoint.drop_file_pages()
+        return model
 
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token_element * self.embed.element_size()
@@ -247,7 +263,7 @@ class LlamaModel:
         # and others grow "attention sink" activations (~25000) whose bf16
         # rounding (±128) swamps the per-layer updates and derails greedy
         # decoding. Norm outputs are cast back to the weights' dtype for matmuls.
-        h = F.embedding(batch.token_ids, self.embed).float()
+        h = (self.embed_rows(batch.token_ids) if self.embed_rows is not None else F.embedding(batch.token_ids, self.embed)).float()
         d = batch.num_decode  # leading decode tokens: 4-bit weights where the model has them
 
         def project(p: Projection, x: torch.Tensor) -> torch.Tensor:
