@@ -1,5 +1,6 @@
 """Q4_K, the type most downloaded GGUF files (Q4_K_M) store most tensors
-in: its codes run on the 4-bit kernels, never dequantized to a dense copy;
+in: its codes run on the 4-bit kernels, and Q5_0/Q5_1's on the 6-bit one
+(kernels/int6.py), never dequantized to a dense copy;
 a file whose fused projections mix types (q and k in Q4_K, v in another)
 runs each part its own way; the logits and greedy picks agree with the
 float32 model of the dequantized weights."""
@@ -15,6 +16,7 @@ from tests.k_quants import quantize_q4_k
 from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
 from trioserve.kernels.int4 import Projection, StackedProjection, parts_from_gguf
+from trioserve.kernels.int6 import Int6Pack, Int6Parts
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -41,9 +43,14 @@ def test_the_writer_and_the_loaders_codes_are_the_files():
 
 
 def _mixed(name: str) -> Q:
-    """A Q4_K_M-like choice: most matrices Q4_K, v and down in 8 bits (where
-    llama-quantize puts Q6_K), the embedding Q8_0."""
-    if name.endswith(("v_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+    """A Q4_K_M-like choice: most matrices Q4_K; v in Q5_1 and down in Q5_0
+    (where llama-quantize puts Q6_K: 5-6-bit codes, kernels/int6.py); o in
+    Q8_0 (dense); the embedding and head Q8_0."""
+    if name.endswith("v_proj.weight"):
+        return Q.Q5_1
+    if name.endswith("down_proj.weight"):
+        return Q.Q5_0
+    if name.endswith(("o_proj.weight", "embed_tokens.weight", "lm_head.weight")):
         return Q.Q8_0
     return Q.Q4_K
 
@@ -61,14 +68,21 @@ def test_q4_k_tensors_load_as_codes_and_are_never_held_dense(mixed_gguf):
     a = "model.layers.0.self_attn."
     assert set(ckpt.int4) == {
         f"model.layers.{i}.{n}" for i in range(2)
-        for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+        for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
     }  # fmt: skip
-    assert not ckpt.weights.is_held(a + "q_proj.weight") and ckpt.weights.is_held(a + "v_proj.weight")
+    assert set(ckpt.int6) == {f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.v_proj.weight", "mlp.down_proj.weight")}
+    assert not ckpt.weights.is_held(a + "q_proj.weight") and not ckpt.weights.is_held(a + "v_proj.weight")
+    assert ckpt.weights.is_held(a + "o_proj.weight")  # Q8_0: dense (no kernel on its codes yet)
     # Asked for, a dense weight is the file's values, as the gguf package dequantizes them (rows unpermuted).
     reader = gguf.GGUFReader(str(mixed_gguf))
-    o = next(t for t in reader.tensors if t.name == "blk.0.attn_output.weight")
-    want = gguf.quants.dequantize(o.data, o.tensor_type).reshape(256, 256)
-    assert torch.equal(ckpt.weights[a + "o_proj.weight"], torch.from_numpy(want))
+    gate = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate.weight")
+    want = gguf.quants.dequantize(gate.data, gate.tensor_type).reshape(512, 256)
+    assert torch.equal(ckpt.weights["model.layers.0.mlp.gate_proj.weight"], torch.from_numpy(want))
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    want = gguf.quants.dequantize(down.data, down.tensor_type).reshape(256, 512)
+    assert torch.equal(ckpt.weights["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(want))
+    # The 5-bit codes are the file's: the parts give its values exactly (Q5_0's d and m are f16 already).
+    assert torch.equal(ckpt.int6["model.layers.0.mlp.down_proj.weight"].dequantize(), torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
@@ -81,10 +95,11 @@ def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, k
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
     exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
     layer = fast.layers[0]
-    assert isinstance(layer.qkv, StackedProjection) and [p.quantized for p in layer.qkv.parts] == [True, False]
-    assert isinstance(layer.gate_up, Projection) and layer.gate_up.every_row_8bit
-    assert layer.gate_up.weight.is_meta and layer.o.weight.is_meta  # no dense copy kept
-    assert not layer.down.quantized and fast.head_int8 is not None
+    assert isinstance(layer.qkv, StackedProjection) and [p.every_row_8bit for p in layer.qkv.parts] == [True, True]
+    assert isinstance(layer.qkv.parts[1].q8_twin if kernels == "reference" else layer.qkv.parts[1].native, (Int6Parts, Int6Pack))
+    assert isinstance(layer.gate_up, Projection) and layer.gate_up.every_row_8bit and layer.down.every_row_8bit
+    assert layer.gate_up.weight.is_meta and layer.down.weight.is_meta  # no dense copy kept
+    assert not layer.o.quantized and fast.head_int8 is not None
     # Teacher-forced on the float32 model's greedy tokens: at every step the
     # logits lie within 5% of the largest (2.5% measured), and the codes pick
     # float32's token at all but its near ties (one step here, where its top

@@ -49,6 +49,6 @@ def test_a_4bit_model_holds_about_its_file_size(tmp_path):
     assert report["activations"] == "int8"
     # float32 copies of every weight, as before, would be ~630 MB: 4x the file. What it
     # holds: codes and the 8-bit head (~86 MB), and what any model of this vocabulary
-    # has (tokenizer, metadata, RoPE tables; measured at ~85 MB): within 1.2x the file
+    # has (tokenizer, metadata, RoPE tables: the other ~86 MB seen here): within 1.2x the file
     # plus 64 MB.
     assert report["grew"] <= 1.2 * size + (64 << 20), (report["grew"] / 2**20, size / 2**20)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import native, reference
+from trioserve.kernels import int6, native, reference
+from trioserve.kernels.int6 import Int6Parts
 
 GROUP = 32
 
@@ -247,6 +248,17 @@ class Projection:
         self.q8_twin = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
             return
+        if isinstance(int4, Int6Parts):
+            # Codes of up to 6 bits (kernels/int6.py): int8 activations only (LlamaModel passes them then).
+            if activations != "int8":
+                raise ValueError("6-bit codes take int8 activations")
+            if use_native and native.int6_q8_supported(*int4.u.shape):
+                self.native = int6.pack_int6_q8(int4)
+                self.packed = self.native.packed
+            else:
+                self.q8_twin = int4
+            self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+            return
         if activations == "int8":
             if use_native and native.int4_q8_supported(*int4.q.shape):
                 self.native = native.pack_int4_q8(int4)
@@ -316,9 +328,13 @@ class Projection:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
+        if isinstance(self.native, int6.Int6Pack):
+            y = native.int6_q8_matmul(self.native, x.contiguous(), checked=False)
+        elif self.native is not None:
             matmul = native.int4_q8_matmul if self.native.q8 else native.int4_matmul
             y = matmul(self.native, x.contiguous(), checked=False)
+        elif isinstance(self.q8_twin, Int6Parts):
+            y = int6.int6_q8_matmul(self.q8_twin, x).to(x.dtype)
         elif self.q8_twin is not None:
             y = reference.int4_q8_matmul(*self.q8_twin, x).to(x.dtype)
         else:

@@ -163,6 +163,11 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_int4_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
+    lib.trioserve_int6_q8_available.restype = ctypes.c_int
+    lib.trioserve_int6_q8_available.argtypes = []
+    fn = lib.trioserve_int6_q8_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
     lib.trioserve_isa.restype = ctypes.c_char_p
     lib.trioserve_isa.argtypes = []
     return lib
@@ -397,6 +402,33 @@ def int4_q8_supported(n: int, k: int) -> bool:
     n a multiple of 16 and k of 32."""
     lib = library()
     return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int4_q8_available())
+
+
+def int6_q8_supported(n: int, k: int) -> bool:
+    """Whether `int6_q8_matmul` runs here for a [n, k] weight (as `int4_q8_supported`)."""
+    lib = library()
+    return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int6_q8_available())
+
+
+def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
+    """x [R, K] (bfloat16 or float32) times a `kernels.int6.pack_int6_q8`
+    weight transposed, each row's inputs rounded to 8 bits per block of 32
+    (the C source says how; its twin is kernels/int6.py `int6_q8_matmul`):
+    [R, N] in x's dtype, each row's result from that row alone."""
+    lib = _lib()
+    if checked:
+        if x.dim() != 2 or x.shape[1] != pack.k:
+            raise RuntimeError(f"int6_q8_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
+        x = x.contiguous()
+        _float_kind(x)
+    bf16 = int(x.dtype == torch.bfloat16)
+    out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
+    code = lib.trioserve_int6_q8_matmul(
+        pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
+        bf16, bf16, threads or torch.get_num_threads(),
+    )  # fmt: skip
+    _check_matmul(code, "int6_q8_matmul", pack.n, pack.k)
+    return out
 
 
 def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:

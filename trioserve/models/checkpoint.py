@@ -15,6 +15,7 @@ import torch
 
 from trioserve.errors import CheckpointError
 from trioserve.kernels.int4 import Int4Parts
+from trioserve.kernels.int6 import Int6Parts
 from trioserve.models.config import ModelConfig
 from trioserve.models.tokenizer import Tokenizer
 
@@ -79,6 +80,9 @@ class Checkpoint:
     # Matrices read a few rows at a time (the embedding) that the file holds
     # quantized: rows(ids) makes just those rows, in the serving dtype, the
     # same values as the dense weight's (which is then made only when asked).
+    # Layer projections stored as Q6_K/Q5_K/Q5_0/Q5_1, as codes of up to 6 bits in
+    # groups of 16 (kernels/int6.py), made from the file when asked for.
+    int6: Mapping[str, Int6Parts] = attrs.field(factory=dict)
     rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = attrs.field(factory=dict)
     # Called once a model holds what it needs: the file's mapped pages leave
     # the resident memory (a GGUF's codes were packed into the kernel's layout).

@@ -15,6 +15,7 @@ import torch
 
 from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.kernels.int4 import INT4_TYPES, Int4Parts, parts_from_gguf
+from trioserve.kernels.int6 import INT6_TYPES, Int6Parts, parts_from_gguf6
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
@@ -105,6 +106,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     made: dict[str, Callable[[], torch.Tensor]] = {}
     int4: dict[str, Callable[[], Int4Parts]] = {}
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    int6: dict[str, Callable[[], Int6Parts]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
@@ -112,6 +114,13 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             int4[name] = functools.partial(_parts, t, heads)
             parts = int4[name]()
             if not (torch.isfinite(parts.scale).all() and torch.isfinite(parts.zero).all()):
+                raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+            made[name] = functools.partial(_dense, path, t, heads, dtype)
+        elif t.tensor_type.name in INT6_TYPES and name.startswith("model.layers.") and len(t.shape) == 2 and t.shape[0] % 32 == 0:
+            # Codes of up to 6 bits in groups of 16 for the int8-activation kernel; dense when asked for.
+            int6[name] = functools.partial(_parts6, t, heads)
+            parts6 = int6[name]()
+            if not (torch.isfinite(parts6.d).all() and torch.isfinite(parts6.m).all()):
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
             made[name] = functools.partial(_dense, path, t, heads, dtype)
         elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
@@ -131,8 +140,9 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             progress(done, len(tensors))
     weights = LazyWeights(held, made, list(tensors))
     codes = LazyWeights({}, int4, list(int4))
+    codes6 = LazyWeights({}, int6, list(int6))
     return Checkpoint(
-        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, rows=rows, drop_file_pages=functools.partial(_drop_pages, reader)
+        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, rows=rows, drop_file_pages=functools.partial(_drop_pages, reader)
     )
 
 
@@ -153,6 +163,12 @@ def _rows(t: gguf.ReaderTensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.
     data = np.asarray(t.data)[ids.reshape(-1).cpu().numpy()]
     array = gguf.quants.dequantize(data, t.tensor_type).reshape(len(data), -1)
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype).reshape(*ids.shape, -1)
+
+
+def _parts6(t: gguf.ReaderTensor, heads: int) -> Int6Parts:
+    """Tensor ``t``'s codes of up to 6 bits, rows unpermuted for ``heads`` heads."""
+    parts = parts_from_gguf6(t.data, t.tensor_type.name)
+    return parts.take_rows(unpermute_rows(np.arange(parts.u.shape[0]), heads)) if heads else parts
 
 
 def _parts(t: gguf.ReaderTensor, heads: int) -> Int4Parts:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from trioserve.kernels import memory
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, tiled_head
+from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
@@ -85,6 +86,7 @@ class LlamaModel:
         kernels: str = "auto",
         activations: str = "auto",
         rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        int6: Mapping[str, Int6Parts] | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -100,15 +102,16 @@ class LlamaModel:
         rows take their inputs (auto, bf16 or int8: `select_kernels`; a model
         without 4-bit codes has no such rows, and runs bf16, with a warning
         when int8 was asked for). ``rows``: Checkpoint.rows (the embedding
-        made row by row where it can be)."""
+        made row by row where it can be). ``int6``: Checkpoint.int6, codes of
+        up to 6 bits, run with int8 activations (else those weights run dense)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
-        if not int4 and activations != "bf16":
-            # No 4-bit codes, so no row would take int8 inputs; a trace, /metrics and the
-            # sharing of generated K/V must not say otherwise.
+        if not int4 and not int6 and activations != "bf16":
+            # No 4-bit (or 5-6-bit) codes, so no row would take int8 inputs; a trace, /metrics and
+            # the sharing of generated K/V must not say otherwise.
             if activations == "int8":
                 log.warning("--activations int8: this model has no 4-bit weights to take 8-bit inputs; it runs bf16")
             activations = "bf16"
@@ -122,19 +125,29 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device).contiguous()
 
+        # Codes of up to 6 bits (kernels/int6.py) run only with int8 activations, on a CPU.
+        int6 = (int6 or {}) if self.kernels.activations == "int8" and self.device.type == "cpu" and self.kernels.name != "triton" else {}
+
+        def kind(name: str) -> str:
+            return "int4" if name in int4 else "int6" if name in int6 else "dense"
+
         def fused(names: list[str], bias_names: list[str] | None) -> Projection:
             weight = torch.cat([w(n) for n in names]).contiguous()
             bias = torch.cat([w(n) for n in bias_names]) if bias_names else None
-            parts = concat_rows([int4[n] for n in names]) if all(n in int4 for n in names) else None
+            parts = None
+            if kind(names[0]) == "int4":
+                parts = concat_rows([int4[n] for n in names])
+            elif kind(names[0]) == "int6":
+                parts = concat_rows6([int6[n] for n in names])
             return self.kernels.projection(weight, bias, parts)
 
         def projection(names: list[str], bias_names: list[str] | None = None) -> Projection | StackedProjection:
             """One matrix from ``names`` stacked by rows (fused projections);
-            where some have 4-bit codes and some not (a mixed-type file),
-            one fused matrix per run of alike, side by side."""
+            where their types differ (a mixed-type file: 4-bit, up to 6-bit
+            codes, dense), one fused matrix per run of alike, side by side."""
             runs: list[list[int]] = []
             for i, n in enumerate(names):
-                if runs and (names[runs[-1][0]] in int4) == (n in int4):
+                if runs and kind(names[runs[-1][0]]) == kind(n):
                     runs[-1].append(i)
                 else:
                     runs.append([i])
@@ -205,7 +218,7 @@ class LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
         model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
-            activations=activations, rows=checkpoint.rows,
+            activations=activations, rows=checkpoint.rows, int6=checkpoint.int6 if use_int4 else None,
         )  # fmt: skip
         checkpoint.drop_file_pages()
         return model

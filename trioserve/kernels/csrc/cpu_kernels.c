@@ -1304,3 +1304,195 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
 }
 #endif
 #endif
+
+/* Codes of up to 6 bits, one byte each, with int8 activations
+ * (`trioserve_int6_q8_matmul`): what GGUF's Q6_K, Q5_K, Q5_0 and Q5_1
+ * tensors become at load (kernels/int6.py). Each group of 16 inputs has its
+ * own f16 scale d and offset m, w = d u + m with u in 0..63 (so `vpmaddubsw`
+ * cannot saturate: two products sum to at most 2 x 63 x 127). Inputs are
+ * rounded to 8 bits per block of 32 as for the 4-bit kernel (xq, xd), and
+ * each group of 16 takes the exact sum of its bf16 inputs, xs16: lanes
+ * i + (8 + i), then 4 + 4, 2 + 2, 1 + 1. Per group, in order:
+ *   acc = fma(float(isum), d xd, acc);  acc = fma(m, xs16, acc)
+ * so a row's result depends on that row alone, and every build (AVX-512
+ * VNNI; AVX2 with AVX-VNNI or with vpmaddubsw + vpmaddwd) gives the same
+ * bits: the integer sums are exact and the rest is the same operations.
+ *
+ * Layout (kernels/int6.py `pack_int6_q8`): tiles of 16 outputs in groups of
+ * three (the last may hold fewer); for group g of T tiles, block b (32
+ * inputs), tile t, quad j (inputs 4j .. 4j + 3 of the block):
+ *   packed [g][K/32][T][8][16][4] bytes (512 a tile and block)
+ *   scales [g][K/32][T][4][16] f16: d of inputs 0-15, m of 0-15, d of 16-31, m of 16-31 */
+#define I6_BLOCK 32
+#define I6_TILE_BLOCK 512
+#define I6_TILES 3
+#define I6_ROWS 4
+
+/* The two group-of-16 sums of one block's bf16 inputs, in the order above. */
+static inline void i6_sums16(const uint16_t *src, float *out) {
+    for (int h = 0; h < 2; h++) {
+        float s8[8], s4[4], s2[2];
+        for (int i = 0; i < 8; i++) s8[i] = bf16_to_float(src[16 * h + i]) + bf16_to_float(src[16 * h + 8 + i]);
+        for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+        for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+        out[h] = s2[0] + s2[1];
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I6_WIDE 1
+static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int bf16_out) {
+    __m512 acc[I6_ROWS][I6_TILES];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int half = 0; half < 2; half++) {
+            __m512i isum[I6_ROWS][I6_TILES];
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < tiles; c++) isum[r][c] = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                __m512i v[I6_TILES];
+                for (int c = 0; c < tiles; c++)
+                    v[c] = _mm512_loadu_si512((const void *)(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64));
+                for (int r = 0; r < rows; r++) {
+                    int32_t quad;
+                    memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
+                    const __m512i x = _mm512_set1_epi32(quad);
+                    for (int c = 0; c < tiles; c++) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], v[c], x);
+                }
+            }
+            for (int c = 0; c < tiles; c++) {
+                const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16;
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+                for (int r = 0; r < rows; r++) {
+                    const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b]));
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), dx, acc[r][c]);
+                    acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r * nb + b) * 2 + half]), acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < tiles; c++) {
+            if (bf16_out) _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * n + c * 16), bf16_of16(acc[r][c]));
+            else _mm512_storeu_ps((float *)out + r * n + c * 16, acc[r][c]);
+        }
+}
+#define I6_QUANTIZE q8a_block
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define I6_WIDE 0
+static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                              const float *xd, const float *xs, void *out, int64_t nb,
+                                                              int64_t k, int64_t n, const int rows, const int tiles,
+                                                              const int c, const int h8, const int bf16_out) {
+    __m256 acc[I6_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int half = 0; half < 2; half++) {
+            __m256i isum[I6_ROWS];
+            for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + h8 * 32));
+                for (int r = 0; r < rows; r++) {
+                    int32_t quad;
+                    memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
+                    isum[r] = a2_dot(isum[r], v, _mm256_set1_epi32(quad));
+                }
+            }
+            const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16 + h8 * 8;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+            for (int r = 0; r < rows; r++) {
+                const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dx, acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r * nb + b) * 2 + half]), acc[r]);
+            }
+        }
+    }
+    const int64_t col = c * 16 + h8 * 8;
+    for (int r = 0; r < rows; r++) {
+        if (bf16_out) {
+            float f[8];
+            _mm256_storeu_ps(f, acc[r]);
+            for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
+        } else {
+            _mm256_storeu_ps((float *)out + r * n + col, acc[r]);
+        }
+    }
+}
+static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int bf16_out) {
+    for (int c = 0; c < tiles; c++)
+        for (int h8 = 0; h8 < 2; h8++) i6_half_pass(w, sc, xq, xd, xs, out, nb, k, n, rows, tiles, c, h8, bf16_out);
+}
+#define I6_QUANTIZE a2_q8_block
+#endif
+
+#if defined(I6_WIDE)
+#define I6_CASE(R)                                                                                   \
+    case R:                                                                                          \
+        if (tiles_here == 3) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out);              \
+        else if (tiles_here == 2) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out);         \
+        else i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out);                              \
+        break;
+
+int trioserve_int6_q8_available(void) { return 1; }
+
+/* Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
+ * memory cannot be had, else 0. x [R, K] bf16 or fp32; out [R, N] fp32 or bf16. */
+int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    if (n % 16 || k % I6_BLOCK) return 1;
+    const int64_t nb = k / I6_BLOCK, tiles = n / 16, groups = (tiles + I6_TILES - 1) / I6_TILES;
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
+    int8_t *xq = malloc((size_t)(rows * k) + 1);
+    float *xd = malloc((size_t)(rows * nb) * sizeof *xd + 1), *xs = malloc((size_t)(rows * nb) * 2 * sizeof *xs + 1);
+    if (!xh || !xq || !xd || !xs) {
+        free(xh), free(xq), free(xd), free(xs);
+        return 2;
+    }
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * nb; i++) {
+            float unused;
+            I6_QUANTIZE(xh + i * I6_BLOCK, xq + i * I6_BLOCK, xd + i, &unused);
+            i6_sums16(xh + i * I6_BLOCK, xs + 2 * i);
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t t0 = g * I6_TILES;
+            const int tiles_here = tiles - t0 < I6_TILES ? (int)(tiles - t0) : I6_TILES;
+            const uint8_t *w = packed + t0 * nb * I6_TILE_BLOCK;
+            const uint16_t *sc = scales + t0 * nb * 64;
+            for (int64_t r0 = 0; r0 < rows; r0 += I6_ROWS) {
+                const int8_t *xr = xq + r0 * k;
+                const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb * 2;
+                void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + t0 * 16) : (void *)((float *)out + r0 * n + t0 * 16);
+                switch (rows - r0 >= I6_ROWS ? I6_ROWS : rows - r0) {
+                    I6_CASE(4)
+                    I6_CASE(3)
+                    I6_CASE(2)
+                    I6_CASE(1)
+                }
+            }
+        }
+    }
+    free(xh), free(xq), free(xd), free(xs);
+    return 0;
+}
+#else
+int trioserve_int6_q8_available(void) { return 0; }
+int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
+    return 4;
+}
+#endif

@@ -1,0 +1,94 @@
+"""Codes of up to 6 bits in groups of 16 (kernels/int6.py): what Q6_K,
+Q5_K, Q5_0 and Q5_1 tensors become at load, and the C kernel on them with
+int8 activations, against its torch twin, at every instruction-set level
+this CPU runs, each row the same bits alone and in company."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from trioserve.config import CPU_FEATURES_ENV
+from trioserve.kernels import native
+from trioserve.kernels.cpu import level_fits
+from trioserve.kernels.int6 import int6_q8_matmul, pack_int6_q8, parts_from_gguf6
+
+Q = gguf.GGMLQuantizationType
+LEVELS = ("native", "avx2-vnni", "avx2")
+
+
+def _raw(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Rows of ``qtype``: Q5_0/Q5_1 quantized by the gguf package from
+    random weights; the K-quants (which it cannot write) as random blocks
+    with small, sane f16 scales, which it reads."""
+    rng = np.random.default_rng(seed)
+    if qtype in ("Q5_0", "Q5_1"):
+        w = (rng.standard_normal((rows, k)) * 0.05 + rng.uniform(-0.02, 0.02, (rows, 1))).astype(np.float32)
+        return gguf.quants.quantize(w, Q[qtype])
+    size, at = {"Q6_K": (210, (208,)), "Q5_K": (176, (0, 2))}[qtype]
+    raw = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+    for offset in at:
+        raw[..., offset : offset + 2] = (rng.random((rows, k // 256)) * 1e-3).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_0", "Q5_1"])
+def test_the_codes_are_the_files_and_the_scales_its_within_f16(qtype):
+    raw = _raw(qtype, 32, 512, seed=1)
+    parts = parts_from_gguf6(raw, qtype)
+    file = torch.from_numpy(gguf.quants.dequantize(raw, Q[qtype]).reshape(32, 512))
+    assert parts.u.shape == (32, 512) and int(parts.u.max()) <= 63 and parts.d.shape == (32, 32)
+    if qtype in ("Q5_0", "Q5_1"):  # their d and m are f16 in the file: exact
+        assert torch.equal(parts.dequantize(), file)
+    else:  # a group's d and m rounded to f16: within 2^-11 of each term
+        terms = (parts.u.float().view(32, 32, 16) * parts.d[..., None].abs()).view(32, 512) + parts.m.abs().repeat_interleave(16, dim=1)
+        assert ((parts.dequantize() - file).abs() <= terms * 2**-10 + 1e-9).all()
+
+
+def _levels(monkeypatch) -> list[str]:
+    runs = []
+    for level in LEVELS:
+        if level_fits(level) is None:
+            monkeypatch.setenv(CPU_FEATURES_ENV, level)
+            if native.int6_q8_supported(16, 32):
+                runs.append(level)
+    monkeypatch.delenv(CPU_FEATURES_ENV)
+    return runs
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_0"])
+@pytest.mark.parametrize(("rows", "n"), [(1, 16), (7, 80), (33, 96), (129, 48)])
+def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(qtype, rows, n, monkeypatch):
+    levels = _levels(monkeypatch)
+    if not levels:
+        pytest.skip("no 6-bit kernel here (no AVX2 or AVX-512 VNNI, or no C compiler)")
+    parts = parts_from_gguf6(_raw(qtype, n, 512, seed=rows), qtype)
+    pack = pack_int6_q8(parts)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=gen) * 3
+    x[:, 5] *= 40  # an outlier channel
+    twin = int6_q8_matmul(parts, x)
+    outs = {}
+    for level in levels:
+        monkeypatch.setenv(CPU_FEATURES_ENV, level)
+        outs[level] = [native.int6_q8_matmul(pack, x.to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+        got = outs[level][0]
+        assert (got - twin).abs().max() <= 1e-6 * twin.abs().max()  # the kernel fuses the twin's two roundings
+        for r in {0, rows // 2, rows - 1}:  # each row alone is the same bits as in company
+            assert torch.equal(native.int6_q8_matmul(pack, x[r : r + 1]), got[r : r + 1])
+    first, *others = outs.values()
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
+    parts = parts_from_gguf6(_raw("Q5_0", 24, 64, seed=2), "Q5_0")
+    with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs, got 24 x 64"):
+        pack_int6_q8(parts)
+    if not native.int6_q8_supported(16, 32):
+        return
+    pack = pack_int6_q8(parts_from_gguf6(_raw("Q5_0", 32, 64, seed=2), "Q5_0"))
+    with pytest.raises(RuntimeError, match=r"int6_q8_matmul: x \(2, 32\) does not have the weight's 64 inputs"):
+        native.int6_q8_matmul(pack, torch.randn(2, 32))

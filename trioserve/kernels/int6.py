@@ -1,0 +1,148 @@
+"""Weights of up to 6-bit codes in groups of 16 (GGUF's Q6_K, Q5_K, Q5_0 and
+Q5_1): their codes, how they are made from a file's blocks, the C
+kernel's layout, and the kernel's torch twin.
+
+A group of 16 inputs holds w = d u + m, u in 0..63, d and m f16 values:
+- Q6_K: u = q + 32 (q the 6-bit signed code), d = f16(d_super * scale_16), m = -32 d;
+- Q5_K: u the 5-bit code, d = f16(d_super * scale_32), m = f16(-dmin * min_32);
+- Q5_0: u the code, d the block's, m = -16 d (exact); Q5_1: d and m the block's.
+The codes are the file's, found from its dequantized values and the block
+scales; a K-quant's group scale and offset are rounded to f16 (within
+2^-11 of each: far inside the codes' own error), as for Q4_K
+(kernels/int4.py). The kernel (`native.int6_q8_matmul`) takes inputs in
+8-bit blocks of 32, as the 4-bit one with `--activations int8` does."""
+
+from __future__ import annotations
+
+import attrs
+import gguf
+import numpy as np
+import torch
+
+from trioserve.kernels.reference import q8_blocks
+
+INT6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1")
+GROUP = 16
+TILE_GROUPS = 3  # tiles of 16 outputs per group in the kernel's layout (I6_TILES in the C source)
+_BYTES = {"Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24}
+_WEIGHTS = {"Q6_K": 256, "Q5_K": 256, "Q5_0": 32, "Q5_1": 32}
+
+
+@attrs.frozen
+class Int6Parts:
+    """u [N, K] uint8 in 0..63; d, m [N, K / 16] fp32 holding f16 values."""
+
+    u: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.u.shape
+        return (self.u.float().view(n, k // GROUP, GROUP) * self.d[..., None] + self.m[..., None]).view(n, k)
+
+    def take_rows(self, order: np.ndarray) -> Int6Parts:
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return Int6Parts(self.u[index], self.d[index], self.m[index])
+
+
+def concat_rows6(parts: list[Int6Parts]) -> Int6Parts:
+    return Int6Parts(torch.cat([p.u for p in parts]), torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]))
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def _k_scales(header: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scales and mins of Q4_K/Q5_K super-blocks' 8 groups of 32 (12 bytes each)."""
+    sc = header.astype(np.int32)
+    scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+    return scale, mins
+
+
+def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
+    """Rows of a Q6_K, Q5_K, Q5_0 or Q5_1 tensor ([N, blocks * bytes] uint8)
+    as codes and per-16 scales and offsets (the module's docstring).
+    ValueError if a code falls outside 0..63 (not such a file)."""
+    raw = np.asarray(raw)
+    rows = raw.shape[0]
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    w = gguf.quants.dequantize(raw, qtype).reshape(rows, -1)
+    k = w.shape[1]
+    blocks = raw.reshape(rows, -1, _BYTES[qtype_name])
+    half = lambda a, at: a[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    if qtype_name == "Q6_K":
+        scale = half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [rows, supers, 16]
+        exact_d, exact_m = scale, -32.0 * scale
+    elif qtype_name == "Q5_K":
+        sc, mins = _k_scales(blocks[..., 4:16])
+        d32 = half(blocks, 0)[..., None] * sc
+        m32 = -half(blocks, 2)[..., None] * mins
+        exact_d, exact_m = np.repeat(d32, 2, axis=-1), np.repeat(m32, 2, axis=-1)
+    else:
+        d32 = half(blocks, 0)
+        m32 = half(blocks, 2) if qtype_name == "Q5_1" else -16.0 * d32
+        exact_d, exact_m = np.repeat(d32[..., None], 2, axis=-1), np.repeat(m32[..., None], 2, axis=-1)
+    exact_d = exact_d.reshape(rows, k // GROUP)
+    exact_m = exact_m.reshape(rows, k // GROUP)
+    groups = w.reshape(rows, k // GROUP, GROUP)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.where(exact_d[..., None] != 0, np.round((groups - exact_m[..., None]) / exact_d[..., None]), 0.0)
+    if u.min() < 0 or u.max() > 63:
+        raise ValueError(f"{qtype_name}: codes outside 0..63")
+    d, m = _f16(exact_d), _f16(exact_m)
+    return Int6Parts(torch.from_numpy(u.astype(np.uint8).reshape(rows, k)), torch.from_numpy(d), torch.from_numpy(m))
+
+
+@attrs.frozen
+class Int6Pack:
+    """A weight in `int6_q8_matmul`'s layout (drawn in the C source)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+
+
+def pack_int6_q8(parts: Int6Parts) -> Int6Pack:
+    u = parts.u.numpy()
+    n, k = u.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"int6_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    nb = k // 32
+    codes = u.reshape(n // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
+    both = np.stack([parts.d.numpy(), parts.m.numpy()]).astype(np.float16)  # which, n, k/16
+    both = both.reshape(2, n // 16, 16, nb, 2).transpose(1, 3, 4, 0, 2)  # tile, block, half, which, column
+    groups = range(0, n // 16, TILE_GROUPS)
+    packed = np.concatenate([codes[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
+    scales = np.concatenate([both[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
+    return Int6Pack(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k)
+
+
+def sums16(x: torch.Tensor) -> torch.Tensor:
+    """Each group of 16 of the rows x [R, K] (rounded to bf16 first) summed
+    in fp32 as the kernel sums it: lanes i + (8 + i), then halves folded.
+    [R, K / 16]."""
+    rows, k = x.shape
+    s = x.to(torch.bfloat16).float().view(rows, k // GROUP, GROUP)
+    s = s[..., :8] + s[..., 8:]
+    for width in (4, 2, 1):
+        s = s[..., :width] + s[..., width : 2 * width]
+    return s[..., 0]
+
+
+def int6_q8_matmul(parts: Int6Parts, x: torch.Tensor) -> torch.Tensor:
+    """The twin of the C kernel: x [R, K] in 8-bit blocks of 32
+    (`reference.q8_blocks`) times w = d u + m transposed, per group of 16
+    acc += isum (d xd), acc += m xs16, groups in order. [R, N] fp32; it
+    differs from the kernel only where the kernel fuses a multiply-add."""
+    xq, xd, _ = q8_blocks(x)
+    n, k = parts.u.shape
+    xs = sums16(x)
+    sums = torch.einsum("rgj,ngj->rng", xq.reshape(x.shape[0], k // GROUP, GROUP).double(), parts.u.view(n, k // GROUP, GROUP).double()).float()
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(k // GROUP):
+        acc = acc + sums[:, :, g] * (parts.d[None, :, g] * xd[:, None, g // 2])
+        acc = acc + parts.m[None, :, g] * xs[:, None, g]
+    return acc
