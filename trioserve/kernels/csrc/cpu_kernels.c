@@ -29,6 +29,16 @@
 #define LANES 16
 #define MAX_GROUP 16
 
+/* 64-bit ARM with the dot-product extension (armv8.2-a+dotprod: Apple M1 and
+ * later, Graviton 2 and later, Ampere Altra): the integer kernels' NEON
+ * builds, below each AVX2 one, with the same arithmetic and bits. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define NEON_DOT 1
+#include <arm_neon.h>
+#else
+#define NEON_DOT 0
+#endif
+
 /* What this build's fast paths use, in a word (kernels/native.py `isa`). */
 const char *trioserve_isa(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -1062,7 +1072,36 @@ int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const v
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
 }
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || NEON_DOT
+#if NEON_DOT
+/* `trioserve_int8_matmul` on NEON: the AVX2 build's operations on 4 lanes
+ * (vdpbf16ps's order: the odd input's product first, each fused). */
+#define H2_ROWS 4
+
+static inline __attribute__((always_inline)) void h2_pass(const int8_t *w, const float *scale, const float *x,
+                                                         float *out, int64_t k, int64_t n, const int rows, const int u) {
+    float32x4_t acc[H2_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = vdupq_n_f32(0.0f);
+    for (int64_t j = 0; j < k / 2; j++) {
+        float32x4_t even[4], odd[4];
+        for (int v = 0; v < 4; v++) {
+            /* 4 columns' (even, odd) code pairs */
+            const int16x8_t pairs = vmovl_s8(vld1_s8(w + (j * 2 + u) * 32 + v * 8));
+            const int16x4x2_t split = vuzp_s16(vget_low_s16(pairs), vget_high_s16(pairs));
+            even[v] = vcvtq_f32_s32(vmovl_s16(split.val[0]));
+            odd[v] = vcvtq_f32_s32(vmovl_s16(split.val[1]));
+        }
+        for (int r = 0; r < rows; r++) {
+            const float32x4_t x0 = vdupq_n_f32(x[r * k + 2 * j]), x1 = vdupq_n_f32(x[r * k + 2 * j + 1]);
+            for (int v = 0; v < 4; v++) acc[r][v] = vfmaq_f32(vfmaq_f32(acc[r][v], odd[v], x1), even[v], x0);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 4; v++)
+            vst1q_f32(out + r * n + u * 16 + v * 4, vmulq_f32(acc[r][v], vld1q_f32(scale + u * 16 + v * 4)));
+}
+#else
 #include <immintrin.h>
 /* `trioserve_int8_matmul` (the output head) on 256-bit registers, with the
  * same layout and the same bits. `vdpbf16ps` adds a lane's two exact
@@ -1095,6 +1134,7 @@ static inline __attribute__((always_inline)) void h2_pass(const int8_t *w, const
             _mm256_storeu_ps(out + r * n + u * 16 + v * 8, _mm256_mul_ps(acc[r][v], _mm256_loadu_ps(scale + u * 16 + v * 8)));
 }
 
+#endif
 #define H2_PASS(R)                                                        \
     case R:                                                               \
         for (int u = 0; u < 2; u++) h2_pass(w, s, xr, o, k, n, R, u);     \
@@ -1158,7 +1198,89 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
  * keeps 4 sums, 4 accumulators, the codes and the broadcast inputs within
  * the 16 registers. */
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || NEON_DOT
+#if NEON_DOT
+/* The same kernel on NEON with `sdot` (vdotq_s32): 4 lanes, so a pass's
+ * half tile (8 outputs) is two registers; the same operations and bits. */
+#define A2_BLOCK 32
+#define A2_ROWS 4
+#define A2_TILES 3
+#define A2_TILE_BLOCK 256
+
+static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int c, const int h, const int bf16_out) {
+    const uint8x16_t nibble = vdupq_n_u8(0x0F);
+    float32x4_t acc[A2_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK + h * 32;
+        int32x4_t isum[A2_ROWS][2];
+        for (int r = 0; r < rows; r++) isum[r][0] = isum[r][1] = vdupq_n_s32(0);
+        for (int j = 0; j < 4; j++) {
+            int8x16_t lo[2], hi[2];
+            for (int v = 0; v < 2; v++) {
+                const uint8x16_t bytes = vld1q_u8(wb + j * 64 + v * 16);
+                lo[v] = vreinterpretq_s8_u8(vandq_u8(bytes, nibble));
+                hi[v] = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + b * A2_BLOCK + 4 * j;
+                int32_t first, second;
+                memcpy(&first, xr, sizeof first);
+                memcpy(&second, xr + 16, sizeof second);
+                const int8x16_t x0 = vreinterpretq_s8_s32(vdupq_n_s32(first)), x1 = vreinterpretq_s8_s32(vdupq_n_s32(second));
+                for (int v = 0; v < 2; v++) isum[r][v] = vdotq_s32(vdotq_s32(isum[r][v], lo[v], x0), hi[v], x1);
+            }
+        }
+        const uint16_t *s = sc + (b * tiles + c) * 32 + h * 8;
+        for (int v = 0; v < 2; v++) {
+            const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + v * 4)));
+            const float32x4_t m = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + 16 + v * 4)));
+            for (int r = 0; r < rows; r++) {
+                const float32x4_t dx = vmulq_f32(d, vdupq_n_f32(xd[r * nb + b]));
+                acc[r][v] = vfmaq_f32(acc[r][v], vcvtq_f32_s32(isum[r][v]), dx);
+                acc[r][v] = vfmaq_f32(acc[r][v], m, vdupq_n_f32(xs[r * nb + b]));
+            }
+        }
+    }
+    const int64_t col = c * 16 + h * 8;
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 2; v++) {
+            if (bf16_out) {
+                float f[4];
+                vst1q_f32(f, acc[r][v]);
+                for (int i = 0; i < 4; i++) ((uint16_t *)out)[r * n + col + v * 4 + i] = float_to_bf16(f[i]);
+            } else {
+                vst1q_f32((float *)out + r * n + col + v * 4, acc[r][v]);
+            }
+        }
+}
+
+/* `q8a_block` on NEON: the same xq (round half to even), xd and xs bits. */
+static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float *xs) {
+    float32x4_t v[8];
+    float32x4_t top = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 8; i++) {
+        v[i] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(src + 4 * i), 16));
+        top = vmaxq_f32(top, vabsq_f32(v[i]));
+    }
+    const float amax = vmaxvq_f32(top);
+    const float32x4_t inv = vdupq_n_f32(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int i = 0; i < 8; i++) {
+        int32_t q[4];
+        vst1q_s32(q, vcvtnq_s32_f32(vmulq_f32(v[i], inv)));
+        for (int e = 0; e < 4; e++) xq[4 * i + e] = (int8_t)(q[e] > 127 ? 127 : (q[e] < -128 ? -128 : q[e]));
+    }
+    *xd = amax / 127.0f;
+    const float32x4_t s8a = vaddq_f32(vaddq_f32(v[0], v[4]), vaddq_f32(v[2], v[6]));
+    const float32x4_t s8b = vaddq_f32(vaddq_f32(v[1], v[5]), vaddq_f32(v[3], v[7]));
+    const float32x4_t s4 = vaddq_f32(s8a, s8b);
+    const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
+    *xs = vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+}
+#else
 #include <immintrin.h>
 #define A2_BLOCK 32
 #define A2_ROWS 4
@@ -1246,6 +1368,7 @@ static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float
     *xs = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+#endif
 #define A2_PASS(R)                                                                                   \
     case R:                                                                                          \
         for (int c = 0; c < tiles_here; c++)                                                          \
@@ -1383,6 +1506,50 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
         }
 }
 #define I6_QUANTIZE q8a_block
+#elif NEON_DOT
+#define I6_WIDE 0
+static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int bf16_out) {
+    for (int c = 0; c < tiles; c++)
+        for (int q4 = 0; q4 < 4; q4++) { /* four outputs at a time */
+            float32x4_t acc[I6_ROWS];
+            for (int r = 0; r < rows; r++) acc[r] = vdupq_n_f32(0.0f);
+            for (int64_t b = 0; b < nb; b++)
+                for (int half = 0; half < 2; half++) {
+                    int32x4_t isum[I6_ROWS];
+                    for (int r = 0; r < rows; r++) isum[r] = vdupq_n_s32(0);
+                    for (int j = 0; j < 4; j++) {
+                        const int8x16_t v = vreinterpretq_s8_u8(vld1q_u8(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + q4 * 16));
+                        for (int r = 0; r < rows; r++) {
+                            int32_t quad;
+                            memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
+                            isum[r] = vdotq_s32(isum[r], v, vreinterpretq_s8_s32(vdupq_n_s32(quad)));
+                        }
+                    }
+                    const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16 + q4 * 4;
+                    const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s)));
+                    const float32x4_t m = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + 16)));
+                    for (int r = 0; r < rows; r++) {
+                        const float32x4_t dx = vmulq_f32(d, vdupq_n_f32(xd[r * nb + b]));
+                        acc[r] = vfmaq_f32(acc[r], vcvtq_f32_s32(isum[r]), dx);
+                        acc[r] = vfmaq_f32(acc[r], m, vdupq_n_f32(xs[(r * nb + b) * 2 + half]));
+                    }
+                }
+            const int64_t col = c * 16 + q4 * 4;
+            for (int r = 0; r < rows; r++) {
+                if (bf16_out) {
+                    float f[4];
+                    vst1q_f32(f, acc[r]);
+                    for (int i = 0; i < 4; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
+                } else {
+                    vst1q_f32((float *)out + r * n + col, acc[r]);
+                }
+            }
+        }
+}
+#define I6_QUANTIZE a2_q8_block
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define I6_WIDE 0
 static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
