@@ -415,20 +415,7 @@ def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked
     weight transposed, each row's inputs rounded to 8 bits per block of 32
     (the C source says how; its twin is kernels/int6.py `int6_q8_matmul`):
     [R, N] in x's dtype, each row's result from that row alone."""
-    lib = _lib()
-    if checked:
-        if x.dim() != 2 or x.shape[1] != pack.k:
-            raise RuntimeError(f"int6_q8_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
-        x = x.contiguous()
-        _float_kind(x)
-    bf16 = int(x.dtype == torch.bfloat16)
-    out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
-    code = lib.trioserve_int6_q8_matmul(
-        pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
-        bf16, bf16, threads or torch.get_num_threads(),
-    )  # fmt: skip
-    _check_matmul(code, "int6_q8_matmul", pack.n, pack.k)
-    return out
+    return _int4_call("int6_q8_matmul", pack, x, threads, checked)
 
 
 def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:
@@ -504,10 +491,10 @@ def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = Non
     return _int4_call("int4_q8_matmul", pack, x, threads, checked)
 
 
-def _int4_call(name: str, pack: Int4Pack, x: torch.Tensor, threads: int | None, checked: bool) -> torch.Tensor:
-    """Run the 4-bit kernel ``name`` (its layout must be the pack's)."""
+def _int4_call(name: str, pack, x: torch.Tensor, threads: int | None, checked: bool) -> torch.Tensor:
+    """Run the 4-bit or 6-bit kernel ``name`` (its layout must be the pack's)."""
     lib = _lib()
-    if pack.q8 != (name == "int4_q8_matmul"):
+    if name != "int6_q8_matmul" and pack.q8 != (name == "int4_q8_matmul"):
         raise RuntimeError(f"{name} was given a weight packed for the other 4-bit kernel")
     if checked:
         if x.dim() != 2 or x.shape[1] != pack.k:
