@@ -63,7 +63,7 @@ Output: progress lines, a markdown table (one row per level: tokens/s both,
 ratio, TTFT p99 both, ITL p50 both, errors both), then as its LAST line one
 JSON object:
 {"levels": {"1": {"trioserve": {"tokens_per_s": x, "ttft_ms": {"p50": .., "p99": ..},
-  "itl_ms": {"p50": .., "p99": ..}, "errors": e, ...}, "peer": {...}, "ratio": r}, ...},
+  "itl_ms": {"p50": .., "p99": ..}, "errors": e, "peak_rss_mb": m, ...}, "peer": {...}, "ratio": r}, ...},
  "machine": "...", "peer_cmd": "...", "trioserve_cmd": "...", ...}
 A server that failed to start has {"error": "..."} in place of its figures.
 
@@ -186,6 +186,16 @@ class Server:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=STOP_GRACE_S)
+
+    def peak_rss_mb(self) -> float | None:
+        """The server process's peak resident memory so far (VmHWM), in MB;
+        None where /proc does not say."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except (OSError, AttributeError):
+            return None
+        line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        return None if line is None else round(int(line.split()[1]) / 1024, 1)
 
     def log_tail(self) -> str:
         try:
@@ -333,13 +343,14 @@ def run(args) -> int:
                 server.start()
                 print(f"[{name} c={c}] pid {server.proc.pid}, port {port}, log {server.log_path}", flush=True)
                 level = trio.run(measure, server, args, c, bodies[name])
+                peak = server.peak_rss_mb()
             except StartFailed as exc:
                 failed = f"{exc}; command: {shlex.join(argv)}; log {server.log_path}, last lines:\n{server.log_tail()}"
                 entry[name] = {"error": str(exc)}
                 break
             finally:
                 server.stop()
-            entry[name] = figures(level)
+            entry[name] = {**figures(level), "peak_rss_mb": peak}
             if not level.ok:
                 no_success = True
             first_error = next((r.error for r in level.results if r.error), None)
