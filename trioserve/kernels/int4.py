@@ -363,6 +363,9 @@ class StackedProjection:
         return torch.cat([p.fixed(x, decode_rows) for p in self.parts], dim=-1)
 
 
+HEAD_SLICE_ROWS = 4096  # rows quantized at a time by Int8Rows
+
+
 class Int8Rows:
     """A [N, K] weight as int8 with one scale per row (symmetric, round to
     nearest), multiplied with bf16 activations by the C kernel where it runs
@@ -378,12 +381,18 @@ class Int8Rows:
     it is."""
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.float()
         # The kernel takes bf16 scales: round each up past bf16's rounding
         # (relative 2**-8) first, then quantize with the rounded scale, so a
         # weight is off by at most half a step and none needs clamping.
-        scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127 * (1 + 2**-7)).to(torch.bfloat16)
-        self.q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        # Row by row in slices, so a big head's float temporaries stay small.
+        self.q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scales = []
+        for start in range(0, weight.shape[0], HEAD_SLICE_ROWS):
+            w = weight[start : start + HEAD_SLICE_ROWS].float()
+            scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127 * (1 + 2**-7)).to(torch.bfloat16)
+            self.q[start : start + HEAD_SLICE_ROWS] = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+            scales.append(scale)
+        scale = torch.cat(scales) if scales else torch.empty(0, dtype=torch.bfloat16)
         self.scale = scale
         # The C kernel where it runs (kernels/native.py): 2-3x faster for
         # 8-32 rows, and exact products of the bf16 inputs with the codes,

@@ -40,7 +40,8 @@ class LazyWeights(Mapping[str, T]):
     they are made from is the file, mapped. Each access makes them anew,
     the same values each time."""
 
-    def __init__(self, held: Mapping[str, T], made: Mapping[str, Callable[[], T]], order: list[str]):
+    def __init__(self, held: Mapping[str, T], made: Mapping[str, Callable[[], T]], order: list[str], dtype: torch.dtype | None = None):
+        self.dtype = dtype  # what every tensor among the values has, where one dtype does (the serving dtype)
         self._held = dict(held)
         self._made = dict(made)
         self._order = list(order)

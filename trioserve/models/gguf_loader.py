@@ -111,34 +111,34 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
             # Made from the mapped file when asked for, as codes or dense (LazyWeights).
-            int4[name] = functools.partial(_parts, t, heads)
+            int4[name] = functools.partial(_parts, t, heads, reader)
             parts = int4[name]()
             if not (torch.isfinite(parts.scale).all() and torch.isfinite(parts.zero).all()):
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
-            made[name] = functools.partial(_dense, path, t, heads, dtype)
+            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif t.tensor_type.name in INT6_TYPES and name.startswith("model.layers.") and len(t.shape) == 2 and t.shape[0] % 32 == 0:
             # Codes of up to 6 bits in groups of 16 for the int8-activation kernel; dense when asked for.
-            int6[name] = functools.partial(_parts6, t, heads)
+            int6[name] = functools.partial(_parts6, t, heads, reader)
             parts6 = int6[name]()
             if not (torch.isfinite(parts6.d).all() and torch.isfinite(parts6.m).all()):
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
-            made[name] = functools.partial(_dense, path, t, heads, dtype)
+            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
             # Read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows): dense only
             # when asked for. Checked whole once, here.
-            _dense(path, t, heads, dtype)
-            made[name] = functools.partial(_dense, path, t, heads, dtype)
+            _dense(path, t, heads, dtype, reader)
+            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif name == "model.embed_tokens.weight" and t.tensor_type not in DENSE_TYPES:
             # Looked up a few rows a step: made from the file's rows (LlamaModel keeps no dense copy
             # where no dense head reads it). Checked whole once, here.
-            _dense(path, t, heads, dtype)
-            made[name] = functools.partial(_dense, path, t, heads, dtype)
+            _dense(path, t, heads, dtype, reader)
+            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
             rows[name] = functools.partial(_rows, t, dtype)
         else:
-            held[name] = _dense(path, t, heads, dtype)
+            held[name] = _dense(path, t, heads, dtype, reader)
         if progress is not None:
             progress(done, len(tensors))
-    weights = LazyWeights(held, made, list(tensors))
+    weights = LazyWeights(held, made, list(tensors), dtype)
     codes = LazyWeights({}, int4, list(int4))
     codes6 = LazyWeights({}, int6, list(int6))
     return Checkpoint(
@@ -146,12 +146,21 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     )
 
 
-def _drop_pages(reader: gguf.GGUFReader) -> None:
-    """Let the kernel drop the mapped file's pages from this process's
-    resident memory (they are clean: read again from the file if touched)."""
+def _drop_pages(reader: gguf.GGUFReader, t: gguf.ReaderTensor | None = None) -> None:
+    """Let the kernel drop the mapped file's pages (tensor ``t``'s, or all)
+    from this process's resident memory: they are clean, read again from
+    the file (the page cache) if touched. So the file does not sit in
+    resident memory beside what was made of it."""
     region = getattr(reader.data, "_mmap", None)
-    if region is not None and hasattr(region, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+    if region is None or not hasattr(region, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    if t is None:
         region.madvise(mmap.MADV_DONTNEED)
+        return
+    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(region), t.data_offset + t.n_bytes)
+    if end > start:
+        region.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 DENSE_TYPES = (Q.F32, Q.F16, Q.BF16)
@@ -165,27 +174,32 @@ def _rows(t: gguf.ReaderTensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype).reshape(*ids.shape, -1)
 
 
-def _parts6(t: gguf.ReaderTensor, heads: int) -> Int6Parts:
+def _parts6(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int6Parts:
     """Tensor ``t``'s codes of up to 6 bits, rows unpermuted for ``heads`` heads."""
     parts = parts_from_gguf6(t.data, t.tensor_type.name)
+    _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.u.shape[0]), heads)) if heads else parts
 
 
-def _parts(t: gguf.ReaderTensor, heads: int) -> Int4Parts:
+def _parts(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int4Parts:
     """Tensor ``t``'s 4-bit codes, rows unpermuted for ``heads`` heads."""
     parts = parts_from_gguf(t.data, t.tensor_type.name)
+    _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.q.shape[0]), heads)) if heads else parts
 
 
-def _dense(path: Path, t: gguf.ReaderTensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+def _dense(path: Path, t: gguf.ReaderTensor, heads: int, dtype: torch.dtype, reader: gguf.GGUFReader | None = None) -> torch.Tensor:
     """Tensor ``t`` dequantized as the gguf package does it, rows unpermuted
-    for ``heads`` heads, in ``dtype``; CheckpointError if not finite."""
+    for ``heads`` heads, in ``dtype``; CheckpointError if not finite. The
+    file's pages it read are let go after (``reader``'s mapping)."""
     array = tensor_array(t)
+    if reader is not None:
+        _drop_pages(reader, t)
     if heads:
         array = unpermute_rows(array, heads)
     if not np.isfinite(array).all():
         raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
-    return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"])).to(dtype)  # copied only if read-only (the mapped file) or strided
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
@@ -200,10 +214,22 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
         raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from exc
 
 
+DEQUANTIZE_SLICE_ROWS = 2048  # rows dequantized at a time: the gguf package's temporaries are several times a slice
+
+
 def tensor_array(t: gguf.ReaderTensor) -> np.ndarray:
-    """A GGUF tensor dequantized to float32, in numpy/torch axis order."""
-    array = gguf.quants.dequantize(t.data, t.tensor_type)
-    return array.reshape(tuple(int(d) for d in reversed(t.shape)))
+    """A GGUF tensor dequantized to float32, in numpy/torch axis order; a
+    quantized matrix slice by slice of rows (the same values: a row's blocks
+    are its own), so that a big one's temporaries stay small."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    data = np.asarray(t.data)
+    if t.tensor_type in DENSE_TYPES or data.ndim != 2 or data.shape[0] <= DEQUANTIZE_SLICE_ROWS:
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+    out = np.empty((data.shape[0], shape[-1]), dtype=np.float32)
+    for start in range(0, data.shape[0], DEQUANTIZE_SLICE_ROWS):
+        part = data[start : start + DEQUANTIZE_SLICE_ROWS]
+        out[start : start + len(part)] = gguf.quants.dequantize(part, t.tensor_type).reshape(len(part), -1)
+    return out.reshape(shape)
 
 
 def _permuted_heads(config: ModelConfig, name: str) -> int:

@@ -107,7 +107,7 @@ class LlamaModel:
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
-        self.dtype = weights["model.embed_tokens.weight"].dtype
+        self.dtype = getattr(weights, "dtype", None) or weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
         if not int4 and not int6 and activations != "bf16":
             # No 4-bit (or 5-6-bit) codes, so no row would take int8 inputs; a trace, /metrics and
@@ -155,10 +155,8 @@ class LlamaModel:
                 return fused(names, bias_names)
             return StackedProjection([fused([names[i] for i in run], [bias_names[i] for i in run] if bias_names else None) for run in runs])
 
-        self.embed = w("model.embed_tokens.weight")
         # Norm weights are kept in fp32, in which norms compute anyway.
         self.norm = w("model.norm.weight").float()
-        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -183,19 +181,25 @@ class LlamaModel:
         # batch-invariant as it is (bench/README.md, "Performance").
         # On a GPU the dense head (cuBLAS) serves instead.
         quantized = bool(self.layers) and any(p.quantized for p in (self.layers[0].qkv, self.layers[0].gate_up))
-        self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
         # The embedding is read a few rows a step. Where the file holds it
         # quantized and no dense head reads it, only those rows are made, from
-        # the file, each step (Checkpoint.rows): no dense copy of 4 or 2 bytes a weight.
+        # the file, each step (Checkpoint.rows): no dense copy of 4 or 2 bytes a
+        # weight. The head and the embedding are made after the layers, one at
+        # a time, so that at most one dense copy exists while the model is built.
+        embed_name = "model.embed_tokens.weight"
+        self.lm_head = w(embed_name) if config.tie_embeddings else w("lm_head.weight")
+        self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
         if self.head_int8 is not None and not config.tie_embeddings:
             self.lm_head = torch.empty(self.lm_head.shape, dtype=self.lm_head.dtype, device="meta")  # the 8-bit copy serves
         self.embed_rows = None
-        source = (rows or {}).get("model.embed_tokens.weight")
+        source = (rows or {}).get(embed_name)
         if source is not None and self.device.type == "cpu" and (self.head_int8 is not None or not config.tie_embeddings):
             self.embed_rows = source
-            self.embed = torch.empty(self.embed.shape, dtype=self.embed.dtype, device="meta")
+            self.embed = torch.empty((config.vocab_size, config.hidden_size), dtype=self.dtype, device="meta")
             if config.tie_embeddings:
                 self.lm_head = self.embed  # the 8-bit head serves: head_int8
+        else:
+            self.embed = self.lm_head if config.tie_embeddings else w(embed_name)
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
