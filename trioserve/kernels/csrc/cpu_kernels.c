@@ -522,6 +522,30 @@ static __attribute__((unused)) uint16_t *bf16_rows(const void *x, int64_t n, int
     return xh;
 }
 
+/* Scratch for a kernel with int8 activations: x rounded to bf16, its bytes
+ * xq, and per block of 32 its step xd and `sums` exact input sums xs. */
+typedef struct {
+    uint16_t *xh;
+    int8_t *xq;
+    float *xd, *xs;
+} Q8Scratch;
+
+static void q8_scratch_free(Q8Scratch *s) { free(s->xh), free(s->xq), free(s->xd), free(s->xs); }
+
+/* 0, or 2 when memory cannot be had (nothing left allocated). */
+static __attribute__((unused)) int q8_scratch(Q8Scratch *s, const void *x, int64_t rows, int64_t k, int x_bf16, int sums) {
+    const int64_t nb = k / 32;
+    s->xh = bf16_rows(x, rows * k, x_bf16);
+    s->xq = malloc((size_t)(rows * k) + 1);
+    s->xd = malloc((size_t)(rows * nb) * sizeof(float) + 1);
+    s->xs = malloc((size_t)(rows * nb * sums) * sizeof(float) + 1);
+    if (!s->xh || !s->xq || !s->xd || !s->xs) {
+        q8_scratch_free(s);
+        return 2;
+    }
+    return 0;
+}
+
 /* Rows at or above this many go to the OpenMP threads (a row's result never
  * depends on which thread computes it). */
 #define PARALLEL_ROWS 64
@@ -707,6 +731,7 @@ static inline __attribute__((always_inline)) __m512 dot_pair(__m512 acc, __m512b
 /* The next panel's weights, fetched into cache a few lines per block while
  * the rows of this panel are computed from it (after the first pass this
  * panel is in L1 and the memory would idle). Changes no result. */
+#define HAVE_PREFETCH 1
 typedef struct {
     const char *at, *end;
     int64_t step;
@@ -1014,55 +1039,24 @@ static inline void q8a_block(const uint16_t *src, int8_t *xq, float *xd, float *
 
 #define Q8A_PASS(R)                                                                                        \
     case R:                                                                                                \
-        if (tiles_here == 3) q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out, &ahead);                \
-        else if (tiles_here == 2) q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out, &ahead);           \
-        else q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out, &ahead);                           \
+        if (tiles == 3) q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out, ahead);                     \
+        else if (tiles == 2) q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out, ahead);                \
+        else q8a_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out, ahead);                            \
         break;
 
-int trioserve_int4_q8_available(void) { return 1; }
-
-/* Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
- * memory cannot be had, else 0. x_bf16: 1 when x is bf16, 0 when fp32. */
-int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    if (n % 16 || k % Q4_BLOCK) return 1;
-    const int64_t nb = k / Q4_BLOCK, tiles = n / 16, groups = (tiles + Q8A_TILES - 1) / Q8A_TILES;
-    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
-    int8_t *xq = malloc((size_t)(rows * k) + 1);
-    float *xd = malloc((size_t)(rows * nb) * sizeof *xd + 1), *xs = malloc((size_t)(rows * nb) * sizeof *xs + 1);
-    if (!xh || !xq || !xd || !xs) {
-        free(xh), free(xq), free(xd), free(xs);
-        return 2;
+/* This build's pieces of `trioserve_int4_q8_matmul` (one driver for every
+ * build, below): a block's inputs to 8 bits, and up to 4 rows of up to 3
+ * tiles, the counts made constants for the compiler. */
+#define Q8ACT_KERNEL 1
+#define q8act_block q8a_block
+static void q8act_rows(const uint8_t *w, const uint16_t *sc, const int8_t *xr, const float *xdr, const float *xsr,
+                       void *o, int64_t nb, int64_t k, int64_t n, int rows, int tiles, int bf16_out, Prefetch *ahead) {
+    switch (rows) {
+        Q8A_PASS(4)
+        Q8A_PASS(3)
+        Q8A_PASS(2)
+        Q8A_PASS(1)
     }
-    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nb; i++) q8a_block(xh + i * Q4_BLOCK, xq + i * Q4_BLOCK, xd + i, xs + i);
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t t0 = g * Q8A_TILES;
-            const int tiles_here = tiles - t0 < Q8A_TILES ? (int)(tiles - t0) : Q8A_TILES;
-            const int64_t left = tiles - t0 - tiles_here, next_bytes = (left < Q8A_TILES ? left : Q8A_TILES) * nb * Q8A_TILE_BLOCK;
-            const uint8_t *w = packed + t0 * nb * Q8A_TILE_BLOCK;
-            const uint16_t *sc = scales + t0 * nb * 32;
-            Prefetch ahead = prefetch_plan(next_bytes ? w + tiles_here * nb * Q8A_TILE_BLOCK : NULL, next_bytes,
-                                           ((rows + Q8A_ROWS - 1) / Q8A_ROWS) * nb);
-            for (int64_t r0 = 0; r0 < rows; r0 += Q8A_ROWS) {
-                const int8_t *xr = xq + r0 * k;
-                const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
-                void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + t0 * 16) : (void *)((float *)out + r0 * n + t0 * 16);
-                switch (rows - r0 >= Q8A_ROWS ? Q8A_ROWS : rows - r0) {
-                    Q8A_PASS(4)
-                    Q8A_PASS(3)
-                    Q8A_PASS(2)
-                    Q8A_PASS(1)
-                }
-            }
-        }
-    }
-    free(xh), free(xq), free(xd), free(xs);
-    return 0;
 }
 #endif
 #else
@@ -1371,61 +1365,92 @@ static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float
 #endif
 #define A2_PASS(R)                                                                                   \
     case R:                                                                                          \
-        for (int c = 0; c < tiles_here; c++)                                                          \
-            for (int h = 0; h < 2; h++) a2_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles_here, c, h, bf16_out); \
+        for (int c = 0; c < tiles; c++)                                                               \
+            for (int h = 0; h < 2; h++) a2_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, h, bf16_out); \
         break;
+
+#ifndef HAVE_PREFETCH
+typedef struct {
+    int none;
+} Prefetch;
+static inline Prefetch prefetch_plan(const void *next, int64_t bytes, int64_t iterations) {
+    (void)next, (void)bytes, (void)iterations;
+    return (Prefetch){0};
+}
+#endif
+
+/* This build's pieces of `trioserve_int4_q8_matmul` (the one driver below). */
+#define Q8ACT_KERNEL 1
+#define q8act_block a2_q8_block
+static void q8act_rows(const uint8_t *w, const uint16_t *sc, const int8_t *xr, const float *xdr, const float *xsr,
+                       void *o, int64_t nb, int64_t k, int64_t n, int rows, int tiles, int bf16_out, Prefetch *ahead) {
+    (void)ahead;
+    switch (rows) {
+        A2_PASS(4)
+        A2_PASS(3)
+        A2_PASS(2)
+        A2_PASS(1)
+    }
+}
+#endif
+#endif
+
+/* The int8-activation 4-bit kernel's one driver, for whichever build above
+ * gave its pieces: each row's inputs to 8 bits per block of 32, then the
+ * groups of three tiles split between the threads, rows four at a time
+ * (which rows share a pass, and which thread runs a group, changes no bit).
+ * Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
+ * memory cannot be had, else 0. x_bf16: 1 when x is bf16, 0 when fp32. */
+#if defined(Q8ACT_KERNEL)
+#define Q8ACT_BLOCK 32
+#define Q8ACT_ROWS 4
+#define Q8ACT_TILES 3
+#define Q8ACT_TILE_BLOCK 256
 
 int trioserve_int4_q8_available(void) { return 1; }
 
-/* As the AVX-512 `trioserve_int4_q8_matmul` above: the same arguments,
- * return codes and bits. */
 int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    if (n % 16 || k % A2_BLOCK) return 1;
-    const int64_t nb = k / A2_BLOCK, tiles = n / 16, groups = (tiles + A2_TILES - 1) / A2_TILES;
-    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
-    int8_t *xq = malloc((size_t)(rows * k) + 1);
-    float *xd = malloc((size_t)(rows * nb) * sizeof *xd + 1), *xs = malloc((size_t)(rows * nb) * sizeof *xs + 1);
-    if (!xh || !xq || !xd || !xs) {
-        free(xh), free(xq), free(xd), free(xs);
-        return 2;
-    }
+    if (n % 16 || k % Q8ACT_BLOCK) return 1;
+    const int64_t nb = k / Q8ACT_BLOCK, tiles = n / 16, groups = (tiles + Q8ACT_TILES - 1) / Q8ACT_TILES;
+    Q8Scratch q8;
+    if (q8_scratch(&q8, x, rows, k, x_bf16, 1)) return 2;
+    uint16_t *xh = q8.xh;
+    int8_t *xq = q8.xq;
+    float *xd = q8.xd, *xs = q8.xs;
     const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+    (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nb; i++) a2_q8_block(xh + i * A2_BLOCK, xq + i * A2_BLOCK, xd + i, xs + i);
+        for (int64_t i = 0; i < rows * nb; i++) q8act_block(xh + i * Q8ACT_BLOCK, xq + i * Q8ACT_BLOCK, xd + i, xs + i);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t t0 = g * A2_TILES;
-            const int tiles_here = tiles - t0 < A2_TILES ? (int)(tiles - t0) : A2_TILES;
-            const uint8_t *w = packed + t0 * nb * A2_TILE_BLOCK;
+            const int64_t t0 = g * Q8ACT_TILES;
+            const int tiles_here = tiles - t0 < Q8ACT_TILES ? (int)(tiles - t0) : Q8ACT_TILES;
+            const int64_t left = tiles - t0 - tiles_here, next_bytes = (left < Q8ACT_TILES ? left : Q8ACT_TILES) * nb * Q8ACT_TILE_BLOCK;
+            const uint8_t *w = packed + t0 * nb * Q8ACT_TILE_BLOCK;
             const uint16_t *sc = scales + t0 * nb * 32;
-            for (int64_t r0 = 0; r0 < rows; r0 += A2_ROWS) {
-                const int8_t *xr = xq + r0 * k;
-                const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
+            Prefetch ahead = prefetch_plan(next_bytes ? w + tiles_here * nb * Q8ACT_TILE_BLOCK : NULL, next_bytes,
+                                           ((rows + Q8ACT_ROWS - 1) / Q8ACT_ROWS) * nb);
+            for (int64_t r0 = 0; r0 < rows; r0 += Q8ACT_ROWS) {
                 void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + t0 * 16) : (void *)((float *)out + r0 * n + t0 * 16);
-                switch (rows - r0 >= A2_ROWS ? A2_ROWS : rows - r0) {
-                    A2_PASS(4)
-                    A2_PASS(3)
-                    A2_PASS(2)
-                    A2_PASS(1)
-                }
+                q8act_rows(w, sc, xq + r0 * k, xd + r0 * nb, xs + r0 * nb, o, nb, k, n,
+                           (int)(rows - r0 >= Q8ACT_ROWS ? Q8ACT_ROWS : rows - r0), tiles_here, bf16_out, &ahead);
             }
         }
     }
-    free(xh), free(xq), free(xd), free(xs);
+    q8_scratch_free(&q8);
     return 0;
 }
 #else
-/* No AVX2 either: the int8-activation kernel says so (the torch twin runs). */
+/* Neither AVX-512 VNNI, AVX2 nor NEON with sdot: the int8-activation kernel says so (the torch twin runs). */
 int trioserve_int4_q8_available(void) { return 0; }
 int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
 }
-#endif
 #endif
 
 /* Codes of up to 6 bits, one byte each, with int8 activations
@@ -1617,13 +1642,11 @@ int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
     if (n % 16 || k % I6_BLOCK) return 1;
     const int64_t nb = k / I6_BLOCK, tiles = n / 16, groups = (tiles + I6_TILES - 1) / I6_TILES;
-    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
-    int8_t *xq = malloc((size_t)(rows * k) + 1);
-    float *xd = malloc((size_t)(rows * nb) * sizeof *xd + 1), *xs = malloc((size_t)(rows * nb) * 2 * sizeof *xs + 1);
-    if (!xh || !xq || !xd || !xs) {
-        free(xh), free(xq), free(xd), free(xs);
-        return 2;
-    }
+    Q8Scratch q8;
+    if (q8_scratch(&q8, x, rows, k, x_bf16, 2)) return 2;
+    uint16_t *xh = q8.xh;
+    int8_t *xq = q8.xq;
+    float *xd = q8.xd, *xs = q8.xs;
     const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -1652,7 +1675,7 @@ int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
             }
         }
     }
-    free(xh), free(xq), free(xd), free(xs);
+    q8_scratch_free(&q8);
     return 0;
 }
 #else
