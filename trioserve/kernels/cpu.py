@@ -92,7 +92,7 @@ class ThreadGovernor:
     Why: a step is a few hundred parallel regions, each ending when its
     slowest thread does. Beside a busy loop on one of two cores, the thread
     there gets the core a share of the time, and the default model's decode
-    step went from 8.6 to 22.7 ms (1 sequence) and from 44 to 278 ms (32),
+    step (2-core Xeon, AVX-512 VNNI) went from 8.6 to 22.7 ms (1 sequence) and from 44 to 278 ms (32),
     where one thread took 13.5 and 72 ms, busy loop or not (bench/README.md,
     "Every CPU"). So each count's seconds per step are kept per step size
     (a power-of-two bucket of its tokens), each count is tried once, the

@@ -244,6 +244,8 @@ class Projection:
         self.bias = bias
         self.packed = None
         self.native = None
+        # The library the codes were packed for, pinned (kernels/native.py `_lib`).
+        self._lib = native.library() if use_native and weight.device.type == "cpu" else None
         self.activations = activations
         self.q8_twin = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
@@ -329,10 +331,10 @@ class Projection:
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.native, int6.Int6Pack):
-            y = native.int6_q8_matmul(self.native, x.contiguous(), checked=False)
+            y = native.int6_q8_matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
         elif self.native is not None:
             matmul = native.int4_q8_matmul if self.native.q8 else native.int4_matmul
-            y = matmul(self.native, x.contiguous(), checked=False)
+            y = matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
         elif isinstance(self.q8_twin, Int6Parts):
             y = int6.int6_q8_matmul(self.q8_twin, x).to(x.dtype)
         elif self.q8_twin is not None:
@@ -398,11 +400,12 @@ class Int8Rows:
         # 8-32 rows, and exact products of the bf16 inputs with the codes,
         # summed in fp32 before the scale (torch's op rounds on the way).
         self.native = native.pack_int8(self.q, scale) if weight.device.type == "cpu" and native.int8_supported(*self.q.shape) else None
+        self._lib = native.library() if self.native is not None else None  # pinned (kernels/native.py `_lib`)
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
-            return native.int8_matmul(self.native, x)
+            return native.int8_matmul(self.native, x, lib=self._lib)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scale).float()

@@ -181,7 +181,12 @@ def isa() -> str | None:
     return None if lib is None else lib.trioserve_isa().decode()
 
 
-def _lib() -> ctypes.CDLL:
+def _lib(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """``lib`` (a caller's pinned `library()`), else the library for the
+    environment now. Pinning matters on the hot path: reading the two
+    environment variables costs ~1.3 us, a few hundred times a step."""
+    if lib is not None:
+        return lib
     lib = library()
     if lib is None:
         raise RuntimeError("native kernels are not available")
@@ -198,13 +203,13 @@ def _float_kind(*tensors: torch.Tensor) -> int:
     return int(dtype == torch.bfloat16)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """`reference.rms_norm` of fp32 rows x [T, n] with an fp32 weight [n],
     then cast to ``dtype`` (bfloat16 or float32), in one pass. Sums of
     squares are taken in an order of the kernel's own, so the bits differ
     from torch's by rounding. ``checked=False``: as for `decode_attention`
     (x and weight contiguous fp32, dtype bfloat16 or float32)."""
-    lib = _lib()
+    lib = _lib(lib)
     if checked:
         if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.shape != (x.shape[1],):
             raise RuntimeError(f"rms_norm takes fp32 rows [T, n] and an fp32 weight [n], got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
@@ -215,13 +220,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     return out
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True) -> torch.Tensor:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``h += delta`` in place (h fp32 rows [T, n]; delta [T, n] bfloat16 or
     float32, widened as torch adds them), then `rms_norm` of the new h: the
     same bits as ``h = h + delta`` followed by `rms_norm`, in one pass.
     ``checked=False``: as for `decode_attention` (h, delta and weight
     contiguous, dtype bfloat16 or float32)."""
-    lib = _lib()
+    lib = _lib(lib)
     if checked:
         if h.dtype != torch.float32 or not h.is_contiguous() or h.dim() != 2 or delta.shape != h.shape or weight.shape != (h.shape[1],):
             raise RuntimeError(f"add_rms_norm takes contiguous fp32 rows [T, n], a delta of their shape and a weight [n], got {tuple(h.shape)}, {tuple(delta.shape)}, {tuple(weight.shape)}")
@@ -239,12 +244,12 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of packed rows [T, 2F] (gate then up), in fp32,
     rounded once to gate_up's dtype (bfloat16 or float32): [T, F].
     Within rounding of torch's ``F.silu(gate) * up``, which rounds twice;
     not its bits. ``checked=False``: as for `decode_attention`."""
-    lib = _lib()
+    lib = _lib(lib)
     if checked:
         gate_up = gate_up.contiguous()
         _float_kind(gate_up)
@@ -268,6 +273,7 @@ def rope_write_kv(
     kv_heads: int,
     *,
     checked: bool = True,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """RoPE and the K/V write of one layer in one pass, the twin of
     `reference.apply_rope` on q and k then `reference.write_kv` (bit-identical
@@ -276,7 +282,7 @@ def rope_write_kv(
     for the first R rows (the rest are padding: rotated, never stored).
     Returns the rotated queries [T, H, D] in qkv's dtype. ``checked=False``:
     as for `decode_attention`."""
-    lib = _lib()
+    lib = _lib(lib)
     rows = qkv.shape[0]
     dim = k_cache.shape[-1]
     if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.shape != sin.shape or cos.shape[1] * 2 != dim:
@@ -312,6 +318,7 @@ def decode_attention(
     row_seq: torch.Tensor | None = None,
     threads: int | None = None,
     checked: bool = True,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Attention of query rows to their first ``lengths[r]`` cached keys,
     read through ``block_tables`` where they lie.
@@ -327,7 +334,7 @@ def decode_attention(
     ``checked=False`` skips the dtype and layout checks and conversions (a
     few microseconds a call) for a caller that guarantees them, as the model
     does; the kernel's own bounds checks always run."""
-    lib = _lib()
+    lib = _lib(lib)
     rows, heads, dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     if checked:
@@ -410,12 +417,12 @@ def int6_q8_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int6_q8_available())
 
 
-def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
+def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times a `kernels.int6.pack_int6_q8`
     weight transposed, each row's inputs rounded to 8 bits per block of 32
     (the C source says how; its twin is kernels/int6.py `int6_q8_matmul`):
     [R, N] in x's dtype, each row's result from that row alone."""
-    return _int4_call("int6_q8_matmul", pack, x, threads, checked)
+    return _int4_call("int6_q8_matmul", pack, x, threads, checked, lib)
 
 
 def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:
@@ -474,26 +481,26 @@ def _check_matmul(code: int, name: str, n: int, k: int) -> None:
         raise RuntimeError(f"{name} does not run here for a {n} x {k} weight (code {code})")
 
 
-def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
+def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times the 4-bit weight's transpose:
     [R, N] in x's dtype. Each row's result depends on that row alone (the C
     source says how); it equals x (rounded to bf16) times the dequantized
     weights up to fp32 summation. ``checked=False``: as for
     `decode_attention` (x contiguous, bfloat16 or float32, K columns)."""
-    return _int4_call("int4_matmul", pack, x, threads, checked)
+    return _int4_call("int4_matmul", pack, x, threads, checked, lib)
 
 
-def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True) -> torch.Tensor:
+def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """As `int4_matmul`, for a `pack_int4_q8` weight, with each row's inputs
     rounded to 8 bits per block of 32 (the C source says how; its torch
     twin is kernels/reference.py `int4_q8_matmul`): [R, N] in x's dtype,
     each row's result from that row alone."""
-    return _int4_call("int4_q8_matmul", pack, x, threads, checked)
+    return _int4_call("int4_q8_matmul", pack, x, threads, checked, lib)
 
 
-def _int4_call(name: str, pack, x: torch.Tensor, threads: int | None, checked: bool) -> torch.Tensor:
+def _int4_call(name: str, pack, x: torch.Tensor, threads: int | None, checked: bool, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Run the 4-bit or 6-bit kernel ``name`` (its layout must be the pack's)."""
-    lib = _lib()
+    lib = _lib(lib)
     if name != "int6_q8_matmul" and pack.q8 != (name == "int4_q8_matmul"):
         raise RuntimeError(f"{name} was given a weight packed for the other 4-bit kernel")
     if checked:
@@ -533,11 +540,11 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Pack:
     return Int8Pack(packed, scale.float().contiguous(), n, k)
 
 
-def int8_matmul(pack: Int8Pack, x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+def int8_matmul(pack: Int8Pack, x: torch.Tensor, *, threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32; fp32 rounded to bf16) times the 8-bit
     weight's transpose, times its scales: [R, N] fp32. Each row's result
     depends on that row alone (the C source says how)."""
-    lib = _lib()
+    lib = _lib(lib)
     if x.dim() != 2 or x.shape[1] != pack.k:
         raise RuntimeError(f"int8_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
     x = x.contiguous()

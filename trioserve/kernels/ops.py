@@ -113,6 +113,7 @@ class NativeKernels(Kernels):
 
         super().__init__(activations)
         self._native = native
+        self._lib = native.library()  # pinned: the hot path does not read the environment
         self.reads_in_place = attention_in_c
 
     @property
@@ -128,21 +129,21 @@ class NativeKernels(Kernels):
         return Projection(weight, bias, int4, activations=self.activations)
 
     def rms_norm(self, h, weight, eps, dtype):
-        return self._native.rms_norm(h.contiguous(), weight, eps, dtype, checked=False)
+        return self._native.rms_norm(h.contiguous(), weight, eps, dtype, checked=False, lib=self._lib)
 
     def add_rms_norm(self, h, delta, weight, eps, dtype):
-        return self._native.add_rms_norm(h, delta.contiguous(), weight, eps, dtype, checked=False)
+        return self._native.add_rms_norm(h, delta.contiguous(), weight, eps, dtype, checked=False, lib=self._lib)
 
     def silu_mul(self, gate_up):
-        return self._native.silu_mul(gate_up.contiguous(), checked=False)
+        return self._native.silu_mul(gate_up.contiguous(), checked=False, lib=self._lib)
 
     def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
-        return self._native.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, checked=False)
+        return self._native.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, checked=False, lib=self._lib)
 
     def attention(self, q, k_cache, v_cache, group, scale, gather):
         if not self.reads_in_place:
             return super().attention(q, k_cache, v_cache, group, scale, gather)
-        return _row_attention(self._native.decode_attention, q, k_cache, v_cache, group, scale, checked=False)
+        return _row_attention(self._native.decode_attention, q, k_cache, v_cache, group, scale, checked=False, lib=self._lib)
 
 
 class TritonKernels(Kernels):
