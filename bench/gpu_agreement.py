@@ -4,10 +4,15 @@ temperature 0) with ``--kernels A`` and ``--kernels B``, and this counts the
 replies that are token for token the same, and the first differing token's
 place in the others.
 
-    .venv/bin/python bench/gpu_agreement.py [--device cuda] [--kernels triton --versus reference] [--tokens 64]
+    .venv/bin/python bench/gpu_agreement.py [--device cuda] [--kernels triton --versus reference] [--tokens 64] [--dtype auto]
+
+Where two replies part, each side's gap between its two likeliest tokens
+(log-probabilities) at that place is printed and reported ("gaps"): a gap
+of a few thousandths is a near tie that summation order may decide; a gap
+of whole units is a bug.
 
 Prints one line per prompt, then as its LAST line one JSON object:
-{"device": ..., "kernels": [A, B], "prompts": 16, "identical": n, "first_difference": [...]}"""
+{"device": ..., "dtype": ..., "kernels": [A, B], "prompts": 16, "identical": n, "first_difference": [...], "gaps": [...]}"""
 
 from __future__ import annotations
 
@@ -35,18 +40,23 @@ QUESTIONS = [
 ]  # fmt: skip
 
 
-async def answers(kernels: str, device: str, tokens: int) -> list[list[int]]:
-    config = EngineConfig(model="smollm2", device=device, kernels=kernels, max_num_seqs=16)
+Reply = list[tuple[int, float]]  # (token, gap between the two likeliest log-probabilities)
+
+
+async def answers(kernels: str, device: str, tokens: int, dtype: str) -> list[Reply]:
+    config = EngineConfig(model="smollm2", device=device, kernels=kernels, max_num_seqs=16, dtype=dtype)
     async with open_engine(config) as engine:
         tok = engine.tokenizer
         template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
-        out: list[list[int]] = [[] for _ in QUESTIONS]
+        out: list[Reply] = [[] for _ in QUESTIONS]
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=True, top_logprobs=2)
 
         async def one(i: int) -> None:
             prompt = render_prompt_ids(tok, template, [{"role": "user", "content": QUESTIONS[i]}])
-            async for event in engine.generate(GenerateRequest(prompt, SamplingParams(max_tokens=tokens, temperature=0.0))):
+            async for event in engine.generate(GenerateRequest(prompt, params)):
                 if isinstance(event, TokenEvent):
-                    out[i].append(event.token_id)
+                    top = [lp for _, lp in event.top_logprobs]
+                    out[i].append((event.token_id, top[0] - top[1] if len(top) > 1 else float("inf")))
                 elif isinstance(event, FinalEvent) and event.finish_reason == "error":
                     raise RuntimeError(event.error)
 
@@ -62,16 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="triton")
     p.add_argument("--versus", default="reference")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
-    a = trio.run(answers, args.kernels, args.device, args.tokens)
-    b = trio.run(answers, args.versus, args.device, args.tokens)
-    first = []
+    a = trio.run(answers, args.kernels, args.device, args.tokens, args.dtype)
+    b = trio.run(answers, args.versus, args.device, args.tokens, args.dtype)
+    first: list[int | None] = []
+    gaps: list[list[float] | None] = []
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        at = next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), None if len(x) == len(y) else min(len(x), len(y)))
+        at = next((j for j, (s, t) in enumerate(zip(x, y)) if s[0] != t[0]), None if len(x) == len(y) else min(len(x), len(y)))
         first.append(at)
-        print(f"{i:2} {'same' if at is None else f'differs at token {at}'}: {QUESTIONS[i]}", flush=True)
-    print(json.dumps({"device": args.device, "kernels": [args.kernels, args.versus], "prompts": len(QUESTIONS),
-                      "identical": sum(at is None for at in first), "first_difference": first}))
+        gap = None if at is None or at >= min(len(x), len(y)) else [round(x[at][1], 5), round(y[at][1], 5)]
+        gaps.append(gap)
+        print(f"{i:2} {'same' if at is None else f'differs at token {at} (gaps {gap})'}: {QUESTIONS[i]}", flush=True)
+    print(json.dumps({"device": args.device, "dtype": args.dtype, "kernels": [args.kernels, args.versus], "prompts": len(QUESTIONS),
+                      "identical": sum(at is None for at in first), "first_difference": first, "gaps": gaps}))
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels.int4 import PROMPT_TILE, ROW_TILE, tiled_head, tiled_linear
+from trioserve.kernels.int4 import PROMPT_TILE, ROW_TILE, float_logits_mm, tiled_head, tiled_linear
 from trioserve.kernels.reference import KV_TILE, _grouped_attention, fixed_order_attention
 
 
@@ -37,6 +37,31 @@ def test_tiled_head_rows_do_not_depend_on_their_company():
     torch.testing.assert_close(whole.float(), F.linear(x, weight).float(), atol=0.05, rtol=0.02)
     for start, stop in [(0, 1), (3, 4), (2, 19), (17, 40)]:
         assert torch.equal(tiled_head(x[start:stop], weight), whole[start:stop]), (start, stop)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="float32 logits from a bf16 head need torch.mm's out_dtype, which only the GPU backend has")
+def test_a_gpu_head_keeps_float32_logits_and_its_rows_their_bits():
+    # bf16 logits near 20 step by 0.125, so two tokens often tie exactly;
+    # the GPU head keeps the float32 sums (docs/kernels.md, "The GPU check").
+    gen = torch.Generator().manual_seed(6)
+    weight = (torch.randn(8192, 576, generator=gen) * 0.5).bfloat16().cuda()
+    x = torch.randn(40, 576, generator=gen).bfloat16().cuda()
+    assert float_logits_mm(weight)
+    whole = tiled_head(x, weight, out_dtype=torch.float32)
+    assert whole.dtype == torch.float32
+    exact = (x.double() @ weight.double().t()).float()
+    torch.testing.assert_close(whole, exact, atol=2e-3, rtol=1e-5)
+    assert not torch.equal(whole, whole.bfloat16().float())  # not rounded to bf16
+    for start, stop in [(0, 1), (3, 4), (2, 19), (17, 40)]:
+        assert torch.equal(tiled_head(x[start:stop], weight, out_dtype=torch.float32), whole[start:stop]), (start, stop)
+
+
+def test_a_cpu_or_float32_head_is_not_asked_for_float32_sums():
+    # torch's CPU backend has no mm with out_dtype; a float32 head needs none.
+    assert not float_logits_mm(torch.zeros(4, 4))
+    assert not float_logits_mm(torch.zeros(4, 4, dtype=torch.bfloat16, device="meta"))
+    if not torch.cuda.is_available():
+        assert not float_logits_mm(torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
 def attention_inputs(seed: int, n_seqs: int, n_q: int, length: int, *, heads: int = 9, kv_heads: int = 3, dim: int = 64):

@@ -199,20 +199,43 @@ def prompt_tail_rows(n: int, k: int, dtype: torch.dtype, with_bias: bool, thread
     return ROW_TILE
 
 
-def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T`` for a wide output head ([vocab, hidden] weight), as
     ``weight @ x.T`` in fixed ``tile``-column calls: the same fixed-shape
     rule as `tiled_linear`, in the orientation that is cheaper for few rows
     (16 columns cost 4.4 ms here against 5.7 ms for 16 rows, and 2.3 times
-    a single row's 1.9 ms rather than 3 times; bench/README.md)."""
+    a single row's 1.9 ms rather than 3 times; bench/README.md).
+
+    ``out_dtype`` (float32 from bf16 weights, where the device offers it:
+    `float_logits_mm`) keeps the product's float32 sums instead of rounding
+    them to the weights' dtype."""
     rows = x.shape[0]
     padded = -(-rows // tile) * tile
     cols = torch.zeros(x.shape[1], padded, dtype=x.dtype, device=x.device)
     cols[:, :rows] = x.t()
+
+    def mm(c: torch.Tensor) -> torch.Tensor:
+        return torch.mm(weight, c) if out_dtype is None else torch.mm(weight, c, out_dtype=out_dtype)
+
     if padded == tile:
-        return torch.matmul(weight, cols)[:, :rows].t()
-    out = torch.cat([torch.matmul(weight, cols[:, s : s + tile].contiguous()) for s in range(0, padded, tile)], dim=1)
+        return mm(cols)[:, :rows].t()
+    out = torch.cat([mm(cols[:, s : s + tile].contiguous()) for s in range(0, padded, tile)], dim=1)
     return out[:, :rows].t()
+
+
+def float_logits_mm(weight: torch.Tensor) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` runs for this 16-bit
+    weight's device (CUDA has it; torch's CPU backend does not). A 16-bit
+    head whose logits are rounded to bf16 has steps of 0.125 at logit 16-32,
+    so two tokens often tie exactly; float32 logits do not (docs/kernels.md,
+    "The GPU check")."""
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.device.type == "meta":
+        return False
+    probe = torch.ones(2, 2, dtype=weight.dtype, device=weight.device)
+    try:
+        return torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
 
 
 class Projection:

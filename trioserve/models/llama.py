@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import memory
-from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, tiled_head
+from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
@@ -200,6 +200,8 @@ class LlamaModel:
                 self.lm_head = self.embed  # the 8-bit head serves: head_int8
         else:
             self.embed = self.lm_head if config.tie_embeddings else w(embed_name)
+        # A dense 16-bit head on a GPU sums into float32 logits and keeps them.
+        self.head_out_dtype = torch.float32 if self.head_int8 is None and self.device.type != "cpu" and float_logits_mm(self.lm_head) else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
@@ -317,7 +319,9 @@ class LlamaModel:
         if self.head_int8 is not None:  # per-row arithmetic in either mode
             return self.head_int8(last)
         if self.batch_invariant:
-            return tiled_head(last, self.lm_head).float()
+            return tiled_head(last, self.lm_head, out_dtype=self.head_out_dtype).float()
+        if self.head_out_dtype is not None:
+            return torch.mm(last, self.lm_head.t(), out_dtype=self.head_out_dtype)
         return F.linear(last, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, gather) -> torch.Tensor:
