@@ -21,6 +21,7 @@ import torch
 from trioserve.kernels import native
 from trioserve.kernels.int4 import parts_from_gguf
 from trioserve.kernels.int6 import pack_int6_q8, parts_from_gguf6
+from trioserve.kernels.int8w import pack_int8_q8, parts_from_q8_0
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[1] / "trioserve" / "kernels" / "csrc"
@@ -78,6 +79,10 @@ def test_the_arm_kernels_give_this_cpus_bits(harness, tmp_path, rows):
     pack6 = pack_int6_q8(parts_from_gguf6(gguf.quants.quantize(w, Q.Q5_1), "Q5_1"))
     arm, _ = _run(harness, tmp_path, 2, pack6.packed, pack6.scales, x, 80)
     assert torch.equal(arm, native.int6_q8_matmul(pack6, x))
+    # signed 8-bit codes (Q8_0)
+    pack8 = pack_int8_q8(parts_from_q8_0(gguf.quants.quantize(w, Q.Q8_0)))
+    arm, _ = _run(harness, tmp_path, 4, pack8.packed, pack8.scales, x, 80)
+    assert torch.equal(arm, native.int8_q8_matmul(pack8, x))
     # the 8-bit head
     if native.int8_supported(96, 256):
         q = torch.from_numpy(rng.integers(-127, 128, (96, 256), dtype=np.int8))

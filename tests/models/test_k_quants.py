@@ -17,6 +17,7 @@ from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
 from trioserve.kernels.int4 import Projection, StackedProjection, parts_from_gguf
 from trioserve.kernels.int6 import Int6Pack, Int6Parts
+from trioserve.kernels.int8w import Int8CodesPack, Int8Parts
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -45,7 +46,7 @@ def test_the_writer_and_the_loaders_codes_are_the_files():
 def _mixed(name: str) -> Q:
     """A Q4_K_M-like choice: most matrices Q4_K; v in Q5_1 and down in Q5_0
     (where llama-quantize puts Q6_K: 5-6-bit codes, kernels/int6.py); o in
-    Q8_0 (dense); the embedding and head Q8_0."""
+    Q8_0 (signed 8-bit codes, kernels/int8w.py); the embedding and head Q8_0."""
     if name.endswith("v_proj.weight"):
         return Q.Q5_1
     if name.endswith("down_proj.weight"):
@@ -72,7 +73,11 @@ def test_q4_k_tensors_load_as_codes_and_are_never_held_dense(mixed_gguf):
     }  # fmt: skip
     assert set(ckpt.int6) == {f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.v_proj.weight", "mlp.down_proj.weight")}
     assert not ckpt.weights.is_held(a + "q_proj.weight") and not ckpt.weights.is_held(a + "v_proj.weight")
-    assert ckpt.weights.is_held(a + "o_proj.weight")  # Q8_0: dense (no kernel on its codes yet)
+    assert set(ckpt.int8) == {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)}
+    assert not ckpt.weights.is_held(a + "o_proj.weight")  # Q8_0: its codes, dense only when asked for
+    o = next(t for t in gguf.GGUFReader(str(mixed_gguf)).tensors if t.name == "blk.0.attn_output.weight")
+    want_o = gguf.quants.dequantize(o.data, o.tensor_type).reshape(256, 256)
+    assert torch.equal(ckpt.int8[a + "o_proj.weight"].dequantize(), torch.from_numpy(want_o))  # the file's values exactly
     # Asked for, a dense weight is the file's values, as the gguf package dequantizes them (rows unpermuted).
     reader = gguf.GGUFReader(str(mixed_gguf))
     gate = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate.weight")
@@ -88,8 +93,7 @@ def test_q4_k_tensors_load_as_codes_and_are_never_held_dense(mixed_gguf):
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, kernels):
     """With int8 activations (the C kernel where it runs, or its torch twin)
-    the Q4_K parts run on their codes and the 8-bit parts dense, side by
-    side; logits within the 8-bit rounding's reach of the float32 model of
+    the Q4_K, 5-bit and Q8_0 parts run on their codes, side by side; logits within the 8-bit rounding's reach of the float32 model of
     the dequantized weights, and the same greedy tokens."""
     ckpt = load_checkpoint(mixed_gguf, dtype=torch.float32)
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
@@ -99,7 +103,8 @@ def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, k
     assert isinstance(layer.qkv.parts[1].q8_twin if kernels == "reference" else layer.qkv.parts[1].native, (Int6Parts, Int6Pack))
     assert isinstance(layer.gate_up, Projection) and layer.gate_up.every_row_8bit and layer.down.every_row_8bit
     assert layer.gate_up.weight.is_meta and layer.down.weight.is_meta  # no dense copy kept
-    assert not layer.o.quantized and fast.head_int8 is not None
+    assert layer.o.every_row_8bit and layer.o.weight.is_meta and fast.head_int8 is not None
+    assert isinstance(layer.o.q8_twin if kernels == "reference" else layer.o.native, (Int8Parts, Int8CodesPack))
     # Teacher-forced on the float32 model's greedy tokens: at every step the
     # logits lie within 5% of the largest (2.5% measured), and the codes pick
     # float32's token at all but its near ties (one step here, where its top

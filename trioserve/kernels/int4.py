@@ -23,8 +23,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import int6, native, reference
+from trioserve.kernels import int6, int8w, native, reference
 from trioserve.kernels.int6 import Int6Parts
+from trioserve.kernels.int8w import Int8Parts
+
+# The codes that run only with int8 activations: their type -> (whether the C
+# kernel takes the shape, its packing, the C kernel, the torch twin).
+_CODES_Q8 = {
+    Int6Parts: (native.int6_q8_supported, int6.pack_int6_q8, native.int6_q8_matmul, int6.int6_q8_matmul),
+    Int8Parts: (native.int8_q8_supported, int8w.pack_int8_q8, native.int8_q8_matmul, int8w.int8_q8_matmul),
+}
 
 GROUP = 32
 
@@ -273,12 +281,14 @@ class Projection:
         self.q8_twin = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
             return
-        if isinstance(int4, Int6Parts):
-            # Codes of up to 6 bits (kernels/int6.py): int8 activations only (LlamaModel passes them then).
+        if type(int4) in _CODES_Q8:
+            # Codes of up to 6 bits (kernels/int6.py) or signed 8-bit ones (kernels/int8w.py):
+            # int8 activations only (LlamaModel passes them then).
             if activations != "int8":
-                raise ValueError("6-bit codes take int8 activations")
-            if use_native and native.int6_q8_supported(*int4.u.shape):
-                self.native = int6.pack_int6_q8(int4)
+                raise ValueError("6- and 8-bit codes take int8 activations")
+            supported, pack, self._codes_kernel, self._codes_twin = _CODES_Q8[type(int4)]
+            if use_native and supported(*weight.shape):
+                self.native = pack(int4)
                 self.packed = self.native.packed
             else:
                 self.q8_twin = int4
@@ -353,13 +363,13 @@ class Projection:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.native, int6.Int6Pack):
-            y = native.int6_q8_matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
+        if isinstance(self.native, (int6.Int6Pack, int8w.Int8CodesPack)):
+            y = self._codes_kernel(self.native, x.contiguous(), checked=False, lib=self._lib)
         elif self.native is not None:
             matmul = native.int4_q8_matmul if self.native.q8 else native.int4_matmul
             y = matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
-        elif isinstance(self.q8_twin, Int6Parts):
-            y = int6.int6_q8_matmul(self.q8_twin, x).to(x.dtype)
+        elif isinstance(self.q8_twin, (Int6Parts, Int8Parts)):
+            y = self._codes_twin(self.q8_twin, x).to(x.dtype)
         elif self.q8_twin is not None:
             y = reference.int4_q8_matmul(*self.q8_twin, x).to(x.dtype)
         else:

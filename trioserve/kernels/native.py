@@ -168,6 +168,11 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_int6_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
+    lib.trioserve_int8_q8_available.restype = ctypes.c_int
+    lib.trioserve_int8_q8_available.argtypes = []
+    fn = lib.trioserve_int8_q8_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
     lib.trioserve_isa.restype = ctypes.c_char_p
     lib.trioserve_isa.argtypes = []
     return lib
@@ -417,6 +422,20 @@ def int6_q8_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int6_q8_available())
 
 
+def int8_q8_supported(n: int, k: int) -> bool:
+    """Whether `int8_q8_matmul` (signed 8-bit codes, GGUF's Q8_0) runs here for a [n, k] weight (as `int4_q8_supported`)."""
+    lib = library()
+    return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int8_q8_available())
+
+
+def int8_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [R, K] (bfloat16 or float32) times a `kernels.int8w.pack_int8_q8`
+    weight transposed, each row's inputs rounded to 8 bits per block of 32
+    (the C source says how; its twin is kernels/int8w.py `int8_q8_matmul`):
+    [R, N] in x's dtype, each row's result from that row alone."""
+    return _int4_call("int8_q8_matmul", pack, x, threads, checked, lib)
+
+
 def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times a `kernels.int6.pack_int6_q8`
     weight transposed, each row's inputs rounded to 8 bits per block of 32
@@ -499,9 +518,9 @@ def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = Non
 
 
 def _int4_call(name: str, pack, x: torch.Tensor, threads: int | None, checked: bool, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """Run the 4-bit or 6-bit kernel ``name`` (its layout must be the pack's)."""
+    """Run the 4-, 6- or 8-bit kernel ``name`` (its layout must be the pack's)."""
     lib = _lib(lib)
-    if name != "int6_q8_matmul" and pack.q8 != (name == "int4_q8_matmul"):
+    if name in ("int4_matmul", "int4_q8_matmul") and pack.q8 != (name == "int4_q8_matmul"):
         raise RuntimeError(f"{name} was given a weight packed for the other 4-bit kernel")
     if checked:
         if x.dim() != 2 or x.shape[1] != pack.k:

@@ -16,6 +16,7 @@ import torch
 from trioserve.errors import CheckpointError
 from trioserve.kernels.int4 import Int4Parts
 from trioserve.kernels.int6 import Int6Parts
+from trioserve.kernels.int8w import Int8Parts
 from trioserve.models.config import ModelConfig
 from trioserve.models.tokenizer import Tokenizer
 
@@ -84,6 +85,9 @@ class Checkpoint:
     # Layer projections stored as Q6_K/Q5_K/Q5_0/Q5_1, as codes of up to 6 bits in
     # groups of 16 (kernels/int6.py), made from the file when asked for.
     int6: Mapping[str, Int6Parts] = attrs.field(factory=dict)
+    # Layer projections stored as Q8_0, as their signed 8-bit codes and block
+    # scales (kernels/int8w.py), made from the file when asked for.
+    int8: Mapping[str, Int8Parts] = attrs.field(factory=dict)
     rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = attrs.field(factory=dict)
     # Called once a model holds what it needs: the file's mapped pages leave
     # the resident memory (a GGUF's codes were packed into the kernel's layout).

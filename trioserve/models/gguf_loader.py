@@ -16,6 +16,7 @@ import torch
 from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.kernels.int4 import INT4_TYPES, Int4Parts, parts_from_gguf
 from trioserve.kernels.int6 import INT6_TYPES, Int6Parts, parts_from_gguf6
+from trioserve.kernels.int8w import Int8Parts, parts_from_q8_0
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
@@ -107,6 +108,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     int4: dict[str, Callable[[], Int4Parts]] = {}
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     int6: dict[str, Callable[[], Int6Parts]] = {}
+    int8: dict[str, Callable[[], Int8Parts]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
@@ -121,6 +123,13 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             int6[name] = functools.partial(_parts6, t, heads, reader)
             parts6 = int6[name]()
             if not (torch.isfinite(parts6.d).all() and torch.isfinite(parts6.m).all()):
+                raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
+        elif t.tensor_type == Q.Q8_0 and name.startswith("model.layers.") and len(t.shape) == 2:
+            # Signed 8-bit codes and the file's block scales for the int8-activation kernel; dense when asked for.
+            int8[name] = functools.partial(_parts8, t, heads, reader)
+            parts8 = int8[name]()
+            if not torch.isfinite(parts8.d).all():
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
@@ -141,8 +150,10 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     weights = LazyWeights(held, made, list(tensors), dtype)
     codes = LazyWeights({}, int4, list(int4))
     codes6 = LazyWeights({}, int6, list(int6))
+    codes8 = LazyWeights({}, int8, list(int8))
     return Checkpoint(
-        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, rows=rows, drop_file_pages=functools.partial(_drop_pages, reader)
+        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, int8=codes8, rows=rows,
+        drop_file_pages=functools.partial(_drop_pages, reader),
     )
 
 
@@ -179,6 +190,13 @@ def _parts6(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int6Pa
     parts = parts_from_gguf6(t.data, t.tensor_type.name)
     _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.u.shape[0]), heads)) if heads else parts
+
+
+def _parts8(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int8Parts:
+    """Tensor ``t``'s signed 8-bit codes (Q8_0), rows unpermuted for ``heads`` heads."""
+    parts = parts_from_q8_0(t.data)
+    _drop_pages(reader, t)
+    return parts.take_rows(unpermute_rows(np.arange(parts.c.shape[0]), heads)) if heads else parts
 
 
 def _parts(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int4Parts:

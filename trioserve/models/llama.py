@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from trioserve.kernels import memory
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
+from trioserve.kernels.int8w import Int8Parts, concat_rows8
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
@@ -87,6 +88,7 @@ class LlamaModel:
         activations: str = "auto",
         rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
         int6: Mapping[str, Int6Parts] | None = None,
+        int8: Mapping[str, Int8Parts] | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -103,13 +105,14 @@ class LlamaModel:
         without 4-bit codes has no such rows, and runs bf16, with a warning
         when int8 was asked for). ``rows``: Checkpoint.rows (the embedding
         made row by row where it can be). ``int6``: Checkpoint.int6, codes of
-        up to 6 bits, run with int8 activations (else those weights run dense)."""
+        up to 6 bits, and ``int8``: Checkpoint.int8, signed 8-bit codes (Q8_0),
+        run with int8 activations (else those weights run dense)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.dtype = getattr(weights, "dtype", None) or weights["model.embed_tokens.weight"].dtype
         int4 = int4 or {}
-        if not int4 and not int6 and activations != "bf16":
+        if not int4 and not int6 and not int8 and activations != "bf16":
             # No 4-bit (or 5-6-bit) codes, so no row would take int8 inputs; a trace, /metrics and
             # the sharing of generated K/V must not say otherwise.
             if activations == "int8":
@@ -125,11 +128,14 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device).contiguous()
 
-        # Codes of up to 6 bits (kernels/int6.py) run only with int8 activations, on a CPU.
-        int6 = (int6 or {}) if self.kernels.activations == "int8" and self.device.type == "cpu" and self.kernels.name != "triton" else {}
+        # Codes of up to 6 bits (kernels/int6.py) and signed 8-bit ones (kernels/int8w.py)
+        # run only with int8 activations, on a CPU.
+        codes_q8 = self.kernels.activations == "int8" and self.device.type == "cpu" and self.kernels.name != "triton"
+        int6 = (int6 or {}) if codes_q8 else {}
+        int8 = (int8 or {}) if codes_q8 else {}
 
         def kind(name: str) -> str:
-            return "int4" if name in int4 else "int6" if name in int6 else "dense"
+            return "int4" if name in int4 else "int6" if name in int6 else "int8" if name in int8 else "dense"
 
         def fused(names: list[str], bias_names: list[str] | None) -> Projection:
             weight = torch.cat([w(n) for n in names]).contiguous()
@@ -139,6 +145,8 @@ class LlamaModel:
                 parts = concat_rows([int4[n] for n in names])
             elif kind(names[0]) == "int6":
                 parts = concat_rows6([int6[n] for n in names])
+            elif kind(names[0]) == "int8":
+                parts = concat_rows8([int8[n] for n in names])
             return self.kernels.projection(weight, bias, parts)
 
         def projection(names: list[str], bias_names: list[str] | None = None) -> Projection | StackedProjection:
@@ -225,6 +233,7 @@ class LlamaModel:
         model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
             activations=activations, rows=checkpoint.rows, int6=checkpoint.int6 if use_int4 else None,
+            int8=checkpoint.int8 if use_int4 else None,
         )  # fmt: skip
         checkpoint.drop_file_pages()
         return model

@@ -1530,6 +1530,47 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
             else _mm512_storeu_ps((float *)out + r * n + c * 16, acc[r][c]);
         }
 }
+/* Signed 8-bit codes (Q8_0): |w| as the unsigned operand and the input's
+ * sign flipped where w < 0, so vpdpbusd sums w x exactly. */
+static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
+                                                         const int rows, const int tiles, const int bf16_out) {
+    __m512 acc[I6_ROWS][I6_TILES];
+    const __m512i zero = _mm512_setzero_si512();
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i isum[I6_ROWS][I6_TILES];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < tiles; c++) isum[r][c] = zero;
+        for (int j = 0; j < 8; j++) {
+            __m512i mag[I6_TILES];
+            __mmask64 neg[I6_TILES];
+            for (int c = 0; c < tiles; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(w + (b * tiles + c) * I6_TILE_BLOCK + j * 64));
+                mag[c] = _mm512_abs_epi8(v);
+                neg[c] = _mm512_movepi8_mask(v);
+            }
+            for (int r = 0; r < rows; r++) {
+                int32_t quad;
+                memcpy(&quad, xq + r * k + b * I6_BLOCK + 4 * j, sizeof quad);
+                const __m512i x = _mm512_set1_epi32(quad);
+                for (int c = 0; c < tiles; c++)
+                    isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], mag[c], _mm512_mask_sub_epi8(x, neg[c], zero, x));
+            }
+        }
+        for (int c = 0; c < tiles; c++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + (b * tiles + c) * 16)));
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < tiles; c++) {
+            if (bf16_out) _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * n + c * 16), bf16_of16(acc[r][c]));
+            else _mm512_storeu_ps((float *)out + r * n + c * 16, acc[r][c]);
+        }
+}
 #define I6_QUANTIZE q8a_block
 #elif NEON_DOT
 #define I6_WIDE 0
@@ -1562,6 +1603,40 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                         acc[r] = vfmaq_f32(acc[r], m, vdupq_n_f32(xs[(r * nb + b) * 2 + half]));
                     }
                 }
+            const int64_t col = c * 16 + q4 * 4;
+            for (int r = 0; r < rows; r++) {
+                if (bf16_out) {
+                    float f[4];
+                    vst1q_f32(f, acc[r]);
+                    for (int i = 0; i < 4; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
+                } else {
+                    vst1q_f32((float *)out + r * n + col, acc[r]);
+                }
+            }
+        }
+}
+/* Signed 8-bit codes (Q8_0): sdot takes both signed. */
+static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
+                                                         const int rows, const int tiles, const int bf16_out) {
+    for (int c = 0; c < tiles; c++)
+        for (int q4 = 0; q4 < 4; q4++) {
+            float32x4_t acc[I6_ROWS];
+            for (int r = 0; r < rows; r++) acc[r] = vdupq_n_f32(0.0f);
+            for (int64_t b = 0; b < nb; b++) {
+                int32x4_t isum[I6_ROWS];
+                for (int r = 0; r < rows; r++) isum[r] = vdupq_n_s32(0);
+                for (int j = 0; j < 8; j++) {
+                    const int8x16_t v = vld1q_s8(w + (b * tiles + c) * I6_TILE_BLOCK + j * 64 + q4 * 16);
+                    for (int r = 0; r < rows; r++) {
+                        int32_t quad;
+                        memcpy(&quad, xq + r * k + b * I6_BLOCK + 4 * j, sizeof quad);
+                        isum[r] = vdotq_s32(isum[r], v, vreinterpretq_s8_s32(vdupq_n_s32(quad)));
+                    }
+                }
+                const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(sc + (b * tiles + c) * 16 + q4 * 4)));
+                for (int r = 0; r < rows; r++) acc[r] = vfmaq_f32(acc[r], vcvtq_f32_s32(isum[r]), vmulq_f32(d, vdupq_n_f32(xd[r * nb + b])));
+            }
             const int64_t col = c * 16 + q4 * 4;
             for (int r = 0; r < rows; r++) {
                 if (bf16_out) {
@@ -1623,6 +1698,48 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
     for (int c = 0; c < tiles; c++)
         for (int h8 = 0; h8 < 2; h8++) i6_half_pass(w, sc, xq, xd, xs, out, nb, k, n, rows, tiles, c, h8, bf16_out);
 }
+/* Signed 8-bit codes (Q8_0): |w| as the unsigned operand and the input's
+ * sign flipped where w < 0 (zeroed where w = 0), so vpmaddubsw cannot
+ * saturate (two products sum to at most 2 x 128 x 127) and the sum is w x. */
+static inline __attribute__((always_inline)) void i8_half_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                              const float *xd, void *out, int64_t nb, int64_t k,
+                                                              int64_t n, const int rows, const int tiles, const int c,
+                                                              const int h8, const int bf16_out) {
+    __m256 acc[I6_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i isum[I6_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I6_TILE_BLOCK + j * 64 + h8 * 32));
+            const __m256i mag = _mm256_sign_epi8(v, v);
+            for (int r = 0; r < rows; r++) {
+                int32_t quad;
+                memcpy(&quad, xq + r * k + b * I6_BLOCK + 4 * j, sizeof quad);
+                isum[r] = a2_dot(isum[r], mag, _mm256_sign_epi8(_mm256_set1_epi32(quad), v));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (b * tiles + c) * 16 + h8 * 8)));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+    }
+    const int64_t col = c * 16 + h8 * 8;
+    for (int r = 0; r < rows; r++) {
+        if (bf16_out) {
+            float f[8];
+            _mm256_storeu_ps(f, acc[r]);
+            for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
+        } else {
+            _mm256_storeu_ps((float *)out + r * n + col, acc[r]);
+        }
+    }
+}
+static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
+                                                         const int rows, const int tiles, const int bf16_out) {
+    for (int c = 0; c < tiles; c++)
+        for (int h8 = 0; h8 < 2; h8++) i8_half_pass(w, sc, xq, xd, out, nb, k, n, rows, tiles, c, h8, bf16_out);
+}
 #define I6_QUANTIZE a2_q8_block
 #endif
 
@@ -1634,14 +1751,26 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
         else i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out);                              \
         break;
 
-int trioserve_int6_q8_available(void) { return 1; }
+#define I8_CASE(R)                                                                                   \
+    case R:                                                                                          \
+        if (tiles_here == 3) i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 3, bf16_out);   \
+        else if (tiles_here == 2) i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 2, bf16_out); \
+        else i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 1, bf16_out);                   \
+        break;
 
-/* Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
+int trioserve_int6_q8_available(void) { return 1; }
+int trioserve_int8_q8_available(void) { return 1; }
+
+/* The one driver of the 6-bit and the signed 8-bit kernels (`eight`): each
+ * row's inputs to 8 bits per block of 32 (and, for 6 bits, the sums of 16),
+ * then the groups of three tiles split between the threads, rows four at a
+ * time. Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
  * memory cannot be had, else 0. x [R, K] bf16 or fp32; out [R, N] fp32 or bf16. */
-int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+static int codes_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                           int64_t n, int64_t k, int x_bf16, int bf16_out, int threads, const int eight) {
     if (n % 16 || k % I6_BLOCK) return 1;
     const int64_t nb = k / I6_BLOCK, tiles = n / 16, groups = (tiles + I6_TILES - 1) / I6_TILES;
+    const int64_t scales_per_block = eight ? 16 : 64;
     Q8Scratch q8;
     if (q8_scratch(&q8, x, rows, k, x_bf16, 2)) return 2;
     uint16_t *xh = q8.xh;
@@ -1654,23 +1783,33 @@ int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
         for (int64_t i = 0; i < rows * nb; i++) {
             float unused;
             I6_QUANTIZE(xh + i * I6_BLOCK, xq + i * I6_BLOCK, xd + i, &unused);
-            i6_sums16(xh + i * I6_BLOCK, xs + 2 * i);
+            if (!eight) i6_sums16(xh + i * I6_BLOCK, xs + 2 * i);
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t t0 = g * I6_TILES;
             const int tiles_here = tiles - t0 < I6_TILES ? (int)(tiles - t0) : I6_TILES;
             const uint8_t *w = packed + t0 * nb * I6_TILE_BLOCK;
-            const uint16_t *sc = scales + t0 * nb * 64;
+            const uint16_t *sc = scales + t0 * nb * scales_per_block;
             for (int64_t r0 = 0; r0 < rows; r0 += I6_ROWS) {
                 const int8_t *xr = xq + r0 * k;
                 const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb * 2;
                 void *o = bf16_out ? (void *)((uint16_t *)out + r0 * n + t0 * 16) : (void *)((float *)out + r0 * n + t0 * 16);
-                switch (rows - r0 >= I6_ROWS ? I6_ROWS : rows - r0) {
-                    I6_CASE(4)
-                    I6_CASE(3)
-                    I6_CASE(2)
-                    I6_CASE(1)
+                const int here = (int)(rows - r0 >= I6_ROWS ? I6_ROWS : rows - r0);
+                if (eight) {
+                    switch (here) {
+                        I8_CASE(4)
+                        I8_CASE(3)
+                        I8_CASE(2)
+                        I8_CASE(1)
+                    }
+                } else {
+                    switch (here) {
+                        I6_CASE(4)
+                        I6_CASE(3)
+                        I6_CASE(2)
+                        I6_CASE(1)
+                    }
                 }
             }
         }
@@ -1678,9 +1817,31 @@ int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
     q8_scratch_free(&q8);
     return 0;
 }
+
+int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    return codes_q8_matmul(packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 0);
+}
+
+/* Signed 8-bit codes with one f16 scale per output and block of 32 (GGUF's
+ * Q8_0, kernels/int8w.py): per block, in order,
+ *   acc = fma(float(isum), d xd, acc)
+ * with isum the exact sum of the 32 products of codes and 8-bit inputs;
+ * every build gives the same bits. Layout: the 6-bit kernel's for the codes
+ * (bytes read as int8), and scales [g][K/32][T][16] f16. */
+int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    return codes_q8_matmul((const uint8_t *)packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 1);
+}
 #else
 int trioserve_int6_q8_available(void) { return 0; }
 int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
+    return 4;
+}
+int trioserve_int8_q8_available(void) { return 0; }
+int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
