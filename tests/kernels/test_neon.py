@@ -22,6 +22,7 @@ from trioserve.kernels import native
 from trioserve.kernels.int4 import parts_from_gguf
 from trioserve.kernels.int6 import pack_int6_q8, parts_from_gguf6
 from trioserve.kernels.int8w import pack_int8_q8, parts_from_q8_0
+from trioserve.kernels.w16 import pack_w16, parts_from_w16
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[1] / "trioserve" / "kernels" / "csrc"
@@ -83,6 +84,10 @@ def test_the_arm_kernels_give_this_cpus_bits(harness, tmp_path, rows):
     pack8 = pack_int8_q8(parts_from_q8_0(gguf.quants.quantize(w, Q.Q8_0)))
     arm, _ = _run(harness, tmp_path, 4, pack8.packed, pack8.scales, x, 80)
     assert torch.equal(arm, native.int8_q8_matmul(pack8, x))
+    # F16 weights as the file holds them
+    pack16 = pack_w16(parts_from_w16(w.astype(np.float16), "F16"))
+    arm, _ = _run(harness, tmp_path, 5, pack16.packed, torch.zeros(0, dtype=torch.int16), x, 80)
+    assert torch.equal(arm, native.w16_matmul(pack16, x))
     # the 8-bit head
     if native.int8_supported(96, 256):
         q = torch.from_numpy(rng.integers(-127, 128, (96, 256), dtype=np.int8))

@@ -173,6 +173,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_int8_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
+    fn = lib.trioserve_w16_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 3 + [_i64] * 3 + [ctypes.c_int] * 4
     lib.trioserve_isa.restype = ctypes.c_char_p
     lib.trioserve_isa.argtypes = []
     return lib
@@ -434,6 +437,33 @@ def int8_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked
     (the C source says how; its twin is kernels/int8w.py `int8_q8_matmul`):
     [R, N] in x's dtype, each row's result from that row alone."""
     return _int4_call("int8_q8_matmul", pack, x, threads, checked, lib)
+
+
+def w16_supported(n: int, k: int) -> bool:
+    """Whether `w16_matmul` runs here for a [n, k] weight: the kernels built
+    (any CPU: the plain C build has it too), n a multiple of 16."""
+    return n > 0 and k > 0 and n % 16 == 0 and library() is not None
+
+
+def w16_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [R, K] (bfloat16 or float32) times a `kernels.w16.pack_w16` weight
+    (F16 or BF16) transposed, products and sums in fp32 (the C source says
+    how; its twin is kernels/w16.py `w16_matmul`): [R, N] in x's dtype, each
+    row's result from that row alone."""
+    lib = _lib(lib)
+    if checked:
+        if x.dim() != 2 or x.shape[1] != pack.k:
+            raise RuntimeError(f"w16_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
+        x = x.contiguous()
+        _float_kind(x)
+    bf16 = int(x.dtype == torch.bfloat16)
+    out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
+    code = lib.trioserve_w16_matmul(
+        pack.packed.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k, int(pack.bf16), bf16, bf16,
+        threads or torch.get_num_threads(),
+    )  # fmt: skip
+    _check_matmul(code, "w16_matmul", pack.n, pack.k)
+    return out
 
 
 def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:

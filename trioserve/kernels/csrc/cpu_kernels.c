@@ -1847,3 +1847,184 @@ int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const
     return 4;
 }
 #endif
+
+/* 16-bit float weights (GGUF's F16 and BF16) kept as they are in the file,
+ * products in fp32 (`trioserve_w16_matmul`). Layout (kernels/w16.py
+ * `pack_w16`): tiles of 16 outputs, each [K][16] (input-major), so that one
+ * vector holds one input's weights for 16 outputs. Each output's sum runs
+ * over the inputs in order, acc = fma(x[k], w[k], acc) from 0: one chain per
+ * output, so the vector width (16 lanes, 8, 4 or 1), which rows share a pass
+ * and which thread runs a tile change no bit, and every build (AVX-512, AVX2
+ * with F16C, NEON, plain C) gives the same result. K may be any size; N a
+ * multiple of 16. */
+#define W16_ROWS 6
+#define W16_TILES 4
+
+static inline float f16_bits_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            e++;
+            m <<= 1;
+        } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float w16_value(uint16_t h, const int bf16w) { return bf16w ? bf16_to_float(h) : f16_bits_to_float(h); }
+
+#if defined(__AVX512F__)
+static inline __m512 w16_lanes16(const uint16_t *p, const int bf16w) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return bf16w ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+static inline __attribute__((always_inline)) void w16_pass(const uint16_t *w, const float *x, float *out, int64_t k,
+                                                          int64_t n, const int rows, const int tiles, const int bf16w) {
+    __m512 acc[W16_ROWS][W16_TILES];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < tiles; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m512 v[W16_TILES];
+        for (int t = 0; t < tiles; t++) v[t] = w16_lanes16(w + (t * k + i) * 16, bf16w);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xi = _mm512_set1_ps(x[r * k + i]);
+            for (int t = 0; t < tiles; t++) acc[r][t] = _mm512_fmadd_ps(xi, v[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < tiles; t++) _mm512_storeu_ps(out + r * n + t * 16, acc[r][t]);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m256 w16_lanes8(const uint16_t *p, const int bf16w) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16w ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+static inline __attribute__((always_inline)) void w16_pass(const uint16_t *w, const float *x, float *out, int64_t k,
+                                                          int64_t n, const int rows, const int tiles, const int bf16w) {
+    for (int t = 0; t < tiles; t++) {
+        __m256 acc[W16_ROWS][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i++) {
+            const __m256 lo = w16_lanes8(w + (t * k + i) * 16, bf16w), hi = w16_lanes8(w + (t * k + i) * 16 + 8, bf16w);
+            for (int r = 0; r < rows; r++) {
+                const __m256 xi = _mm256_set1_ps(x[r * k + i]);
+                acc[r][0] = _mm256_fmadd_ps(xi, lo, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xi, hi, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            _mm256_storeu_ps(out + r * n + t * 16, acc[r][0]);
+            _mm256_storeu_ps(out + r * n + t * 16 + 8, acc[r][1]);
+        }
+    }
+}
+#elif defined(__ARM_NEON)
+static inline float32x4_t w16_lanes4(const uint16_t *p, const int bf16w) {
+    const uint16x4_t h = vld1_u16(p);
+    return bf16w ? vreinterpretq_f32_u32(vshll_n_u16(h, 16)) : vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+static inline __attribute__((always_inline)) void w16_pass(const uint16_t *w, const float *x, float *out, int64_t k,
+                                                          int64_t n, const int rows, const int tiles, const int bf16w) {
+    for (int t = 0; t < tiles; t++) {
+        float32x4_t acc[W16_ROWS][4];
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = vdupq_n_f32(0.0f);
+        for (int64_t i = 0; i < k; i++) {
+            float32x4_t v[4];
+            for (int q = 0; q < 4; q++) v[q] = w16_lanes4(w + (t * k + i) * 16 + 4 * q, bf16w);
+            for (int r = 0; r < rows; r++) {
+                const float32x4_t xi = vdupq_n_f32(x[r * k + i]);
+                for (int q = 0; q < 4; q++) acc[r][q] = vfmaq_f32(acc[r][q], xi, v[q]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < 4; q++) vst1q_f32(out + r * n + t * 16 + 4 * q, acc[r][q]);
+    }
+}
+#else
+static inline __attribute__((always_inline)) void w16_pass(const uint16_t *w, const float *x, float *out, int64_t k,
+                                                          int64_t n, const int rows, const int tiles, const int bf16w) {
+    for (int t = 0; t < tiles; t++)
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < 16; j++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < k; i++) acc = fmaf(x[r * k + i], w16_value(w[(t * k + i) * 16 + j], bf16w), acc);
+                out[r * n + t * 16 + j] = acc;
+            }
+}
+#endif
+
+/* Rows, tiles and the weight's kind as constants in each call, so that the
+ * accumulators stay in registers. */
+#define W16_CALL(R, T)                                                                    \
+    if (bf16w) w16_pass(w, xr, o, k, n, R, T, 1);                                         \
+    else w16_pass(w, xr, o, k, n, R, T, 0);
+#define W16_CASE(R)                                                                       \
+    case R:                                                                               \
+        if (tiles_here == 4) {                                                            \
+            W16_CALL(R, 4)                                                                \
+        } else if (tiles_here == 3) {                                                     \
+            W16_CALL(R, 3)                                                                \
+        } else if (tiles_here == 2) {                                                     \
+            W16_CALL(R, 2)                                                                \
+        } else {                                                                          \
+            W16_CALL(R, 1)                                                                \
+        }                                                                                 \
+        break;
+
+/* out [R, N] (fp32, or bf16 when out_bf16) = x [R, K] (fp32, or bf16 when
+ * x_bf16) times the 16-bit weight (F16, or BF16 when w_bf16) transposed.
+ * Returns 1 when n is not a multiple of 16, 2 when scratch memory cannot be
+ * had, else 0. */
+int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64_t rows, int64_t n, int64_t k, int w_bf16,
+                         int x_bf16, int out_bf16, int threads) {
+    if (n % 16 || k < 1) return 1;
+    const int64_t tiles = n / 16, groups = (tiles + W16_TILES - 1) / W16_TILES;
+    float *xf = malloc((size_t)(rows * k) * sizeof(float) + 1);
+    float *of = out_bf16 ? malloc((size_t)(rows * n) * sizeof(float) + 1) : (float *)out;
+    if (!xf || !of) {
+        free(xf);
+        if (out_bf16) free(of);
+        return 2;
+    }
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = load(x, i, x_bf16);
+    const int bf16w = w_bf16 != 0;
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t t0 = g * W16_TILES;
+        const int tiles_here = tiles - t0 < W16_TILES ? (int)(tiles - t0) : W16_TILES;
+        const uint16_t *w = packed + t0 * k * 16;
+        for (int64_t r0 = 0; r0 < rows; r0 += W16_ROWS) {
+            const float *xr = xf + r0 * k;
+            float *o = of + r0 * n + t0 * 16;
+            switch (rows - r0 >= W16_ROWS ? W16_ROWS : (int)(rows - r0)) {
+                W16_CASE(6)
+                W16_CASE(5)
+                W16_CASE(4)
+                W16_CASE(3)
+                W16_CASE(2)
+                W16_CASE(1)
+            }
+        }
+    }
+    if (out_bf16) {
+        for (int64_t i = 0; i < rows * n; i++) ((uint16_t *)out)[i] = float_to_bf16(of[i]);
+        free(of);
+    }
+    free(xf);
+    return 0;
+}
