@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import int6, int8w, native, reference
+from trioserve.kernels import int6, int8w, native, reference, w16
 from trioserve.kernels.int6 import Int6Parts
 from trioserve.kernels.int8w import Int8Parts
 
@@ -281,6 +281,13 @@ class Projection:
         self.q8_twin = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
             return
+        if isinstance(int4, w16.W16Parts):
+            # The file's 16-bit floats (kernels/w16.py): every row through their kernel,
+            # whatever the activations; dense where it does not run.
+            if use_native and native.w16_supported(*weight.shape):
+                self.native = w16.pack_w16(int4)
+                self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+            return
         if type(int4) in _CODES_Q8:
             # Codes of up to 6 bits (kernels/int6.py) or signed 8-bit ones (kernels/int8w.py):
             # int8 activations only (LlamaModel passes them then).
@@ -328,8 +335,15 @@ class Projection:
         computes each row on its own, so it needs no tiles."""
         return self.activations == "int8" and (self.native is not None or self.q8_twin is not None)
 
+    @property
+    def every_row_kernel(self) -> bool:
+        """Every row goes through the kernel on the held weight: the 8-bit
+        activations' codes (`every_row_8bit`), or 16-bit float weights
+        (kernels/w16.py), which hold no other copy."""
+        return self.every_row_8bit or isinstance(self.native, w16.W16Pack)
+
     def __call__(self, x: torch.Tensor, int4_rows: int = 0) -> torch.Tensor:
-        if self.every_row_8bit:
+        if self.every_row_kernel:
             return self._int4(x)
         if self.packed is None or int4_rows == 0:
             return F.linear(x, self.weight, self.bias)
@@ -348,8 +362,9 @@ class Projection:
         answers (SmolLM2 no longer names Paris), so each kind keeps its own
         fixed path, and KV written by generated tokens is never shared
         (docs/determinism.md). With int8 activations every row goes
-        through the 8-bit kernel (`every_row_8bit`)."""
-        if self.every_row_8bit:
+        through the 8-bit kernel (`every_row_8bit`), and with 16-bit float
+        weights through theirs (`every_row_kernel`)."""
+        if self.every_row_kernel:
             return self._int4(x)
         decode, prompt = x[:decode_rows], x[decode_rows:]
         parts = []
@@ -363,7 +378,9 @@ class Projection:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.native, (int6.Int6Pack, int8w.Int8CodesPack)):
+        if isinstance(self.native, w16.W16Pack):
+            y = native.w16_matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
+        elif isinstance(self.native, (int6.Int6Pack, int8w.Int8CodesPack)):
             y = self._codes_kernel(self.native, x.contiguous(), checked=False, lib=self._lib)
         elif self.native is not None:
             matmul = native.int4_q8_matmul if self.native.q8 else native.int4_matmul

@@ -17,6 +17,7 @@ from trioserve.errors import CheckpointError
 from trioserve.kernels.int4 import Int4Parts
 from trioserve.kernels.int6 import Int6Parts
 from trioserve.kernels.int8w import Int8Parts
+from trioserve.kernels.w16 import W16Parts
 from trioserve.models.config import ModelConfig
 from trioserve.models.tokenizer import Tokenizer
 
@@ -88,6 +89,9 @@ class Checkpoint:
     # Layer projections stored as Q8_0, as their signed 8-bit codes and block
     # scales (kernels/int8w.py), made from the file when asked for.
     int8: Mapping[str, Int8Parts] = attrs.field(factory=dict)
+    # Layer projections stored as F16 or BF16, as the file's 16-bit floats
+    # (kernels/w16.py), made from the file when asked for.
+    w16: Mapping[str, W16Parts] = attrs.field(factory=dict)
     rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = attrs.field(factory=dict)
     # Called once a model holds what it needs: the file's mapped pages leave
     # the resident memory (a GGUF's codes were packed into the kernel's layout).

@@ -17,6 +17,7 @@ from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.kernels.int4 import INT4_TYPES, Int4Parts, parts_from_gguf
 from trioserve.kernels.int6 import INT6_TYPES, Int6Parts, parts_from_gguf6
 from trioserve.kernels.int8w import Int8Parts, parts_from_q8_0
+from trioserve.kernels.w16 import W16_TYPES, W16Parts, parts_from_w16
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
@@ -109,6 +110,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     int6: dict[str, Callable[[], Int6Parts]] = {}
     int8: dict[str, Callable[[], Int8Parts]] = {}
+    w16: dict[str, Callable[[], W16Parts]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
@@ -132,6 +134,11 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             if not torch.isfinite(parts8.d).all():
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
+        elif t.tensor_type.name in W16_TYPES and name.startswith("model.layers.") and len(t.shape) == 2 and t.shape[1] % 16 == 0:
+            # The file's 16-bit floats as they are, for the 16-bit weight kernel; float32 or bf16 when asked for.
+            w16[name] = functools.partial(_parts16, path, t, heads, reader)
+            w16[name]()  # checked once (finite), here
+            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
             # Read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows): dense only
             # when asked for. Checked whole once, here.
@@ -151,8 +158,9 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     codes = LazyWeights({}, int4, list(int4))
     codes6 = LazyWeights({}, int6, list(int6))
     codes8 = LazyWeights({}, int8, list(int8))
+    bits16 = LazyWeights({}, w16, list(w16))
     return Checkpoint(
-        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, int8=codes8, rows=rows,
+        path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, int8=codes8, w16=bits16, rows=rows,
         drop_file_pages=functools.partial(_drop_pages, reader),
     )
 
@@ -190,6 +198,16 @@ def _parts6(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int6Pa
     parts = parts_from_gguf6(t.data, t.tensor_type.name)
     _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.u.shape[0]), heads)) if heads else parts
+
+
+def _parts16(path: Path, t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> W16Parts:
+    """Tensor ``t``'s 16-bit floats (F16 or BF16), rows unpermuted for ``heads`` heads."""
+    try:
+        parts = parts_from_w16(t.data, t.tensor_type.name)
+    except ValueError as e:
+        raise CheckpointError(path, f"corrupt tensor {t.name!r}: {e}") from None
+    _drop_pages(reader, t)
+    return parts.take_rows(unpermute_rows(np.arange(parts.bits.shape[0]), heads)) if heads else parts
 
 
 def _parts8(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int8Parts:

@@ -20,6 +20,7 @@ from trioserve.kernels import memory
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.int8w import Int8Parts, concat_rows8
+from trioserve.kernels.w16 import W16Parts, concat_rows16
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
@@ -89,6 +90,7 @@ class LlamaModel:
         rows: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
         int6: Mapping[str, Int6Parts] | None = None,
         int8: Mapping[str, Int8Parts] | None = None,
+        w16: Mapping[str, W16Parts] | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -106,7 +108,8 @@ class LlamaModel:
         when int8 was asked for). ``rows``: Checkpoint.rows (the embedding
         made row by row where it can be). ``int6``: Checkpoint.int6, codes of
         up to 6 bits, and ``int8``: Checkpoint.int8, signed 8-bit codes (Q8_0),
-        run with int8 activations (else those weights run dense)."""
+        run with int8 activations (else those weights run dense). ``w16``:
+        Checkpoint.w16, F16/BF16 matrices kept in the file's 16 bits (on a CPU)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -133,9 +136,13 @@ class LlamaModel:
         codes_q8 = self.kernels.activations == "int8" and self.device.type == "cpu" and self.kernels.name != "triton"
         int6 = (int6 or {}) if codes_q8 else {}
         int8 = (int8 or {}) if codes_q8 else {}
+        # 16-bit float weights (kernels/w16.py) run on a CPU, whatever the activations.
+        w16 = (w16 or {}) if self.device.type == "cpu" and self.kernels.name != "triton" else {}
 
         def kind(name: str) -> str:
-            return "int4" if name in int4 else "int6" if name in int6 else "int8" if name in int8 else "dense"
+            if name in int4:
+                return "int4"
+            return "int6" if name in int6 else "int8" if name in int8 else "w16" if name in w16 else "dense"
 
         def fused(names: list[str], bias_names: list[str] | None) -> Projection:
             weight = torch.cat([w(n) for n in names]).contiguous()
@@ -147,6 +154,8 @@ class LlamaModel:
                 parts = concat_rows6([int6[n] for n in names])
             elif kind(names[0]) == "int8":
                 parts = concat_rows8([int8[n] for n in names])
+            elif kind(names[0]) == "w16":
+                parts = concat_rows16([w16[n] for n in names])
             return self.kernels.projection(weight, bias, parts)
 
         def projection(names: list[str], bias_names: list[str] | None = None) -> Projection | StackedProjection:
@@ -233,7 +242,7 @@ class LlamaModel:
         model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
             activations=activations, rows=checkpoint.rows, int6=checkpoint.int6 if use_int4 else None,
-            int8=checkpoint.int8 if use_int4 else None,
+            int8=checkpoint.int8 if use_int4 else None, w16=checkpoint.w16 if use_int4 else None,
         )  # fmt: skip
         checkpoint.drop_file_pages()
         return model
