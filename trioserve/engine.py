@@ -325,8 +325,8 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
 def compute_card(model: LlamaModel) -> dict[str, object]:
     """How ``model`` computes, for the start-up line, the model card and
     /metrics: device, dtype, kernel set, the instruction sets of the CPU's C
-    kernels (null where they do not run), the 4-bit rows' activations, and
-    the CPU threads."""
+    kernels (null where they do not run), the 4-bit rows' activations, the
+    CPU threads, and how the weights are held (`weight_card`)."""
     from trioserve.kernels import native
 
     cpu = model.device.type == "cpu"
@@ -337,7 +337,22 @@ def compute_card(model: LlamaModel) -> dict[str, object]:
         "cpu_kernels": native.isa() if cpu and model.kernels.name == "native" else None,
         "activations": model.kernels.activations,
         "threads": torch.get_num_threads() if cpu else None,
+        "weights": weight_card(model),
     }
+
+
+def weight_card(model: LlamaModel) -> dict[str, object]:
+    """How the model holds its weights: the layer matrices counted by kind
+    (`Projection.kind`: 4-, 6- or 8-bit codes, an F16/BF16 file's 16 bits,
+    or dense; a fused matrix whose parts differ counts each part), and the
+    output head's kind."""
+    layers: dict[str, int] = {}
+    for layer in model.layers:
+        for fused in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for part in getattr(fused, "parts", [fused]):
+                layers[part.kind] = layers.get(part.kind, 0) + 1
+    head = "8-bit" if model.head_int8 is not None else "16-bit" if model.head_w16 is not None else "dense"
+    return {"layers": dict(sorted(layers.items())), "head": head}
 
 
 def describe_compute(card: dict[str, object]) -> str:

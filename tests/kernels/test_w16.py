@@ -48,7 +48,7 @@ def test_the_bits_are_the_files_and_non_finite_values_are_refused(kind):
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16"])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16, 576), (7, 80, 100), (33, 96, 257), (129, 48, 33)])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16, 576), (7, 80, 100), (33, 96, 257), (129, 48, 33), (5, 360, 64), (2, 9, 16)])
 def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(kind, rows, n, k, monkeypatch):
     levels = _levels(monkeypatch)
     if not levels:
@@ -74,8 +74,6 @@ def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(kind, row
 
 
 def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
-    with pytest.raises(ValueError, match="multiple of 16 outputs, got 24 x 64"):
-        pack_w16(_parts("F16", 24, 64, seed=2))
     with pytest.raises(ValueError, match="cannot stack F16 and BF16"):
         concat_rows16([_parts("F16", 16, 8, seed=1), _parts("BF16", 16, 8, seed=1)])
     if native.library() is None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import trio
 
+from tests.tiny_model import TINY
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.kernels.int4 import Projection
@@ -45,20 +46,23 @@ def test_a_q8_0_model_runs_its_codes_and_agrees_with_float32(tiny_checkpoints, k
     assert same >= 7, f"the codes chose float32's token at {same} of 8 steps"
 
 
-async def _greedy(path, activations: str, prompt: list[int]) -> list[int]:
+async def _greedy(path, activations: str, prompt: list[int]) -> tuple[list[int], dict]:
     config = EngineConfig(model=str(path), dtype="float32", activations=activations, max_num_seqs=2)
     async with open_engine(config) as engine:
         out = []
         async for event in engine.generate(GenerateRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))):
             if isinstance(event, TokenEvent):
                 out.append(event.token_id)
-        return out
+        return out, engine.compute["weights"]
 
 
 def test_the_engine_serves_a_q8_0_file_on_its_codes_with_float32s_tokens(tiny_checkpoints):
     prompt = [5, 9, 33, 7, 2, 8, 11, 4]
-    codes = trio.run(_greedy, tiny_checkpoints["gguf_q8_0"], "int8", prompt)
-    dense = trio.run(_greedy, tiny_checkpoints["gguf_q8_0"], "bf16", prompt)
+    codes, held = trio.run(_greedy, tiny_checkpoints["gguf_q8_0"], "int8", prompt)
+    dense, held_dense = trio.run(_greedy, tiny_checkpoints["gguf_q8_0"], "bf16", prompt)
+    # what the model card and /metrics say of the weights
+    assert held == {"layers": {"8-bit": 4 * TINY["num_hidden_layers"]}, "head": "8-bit"}
+    assert held_dense == {"layers": {"dense": 4 * TINY["num_hidden_layers"]}, "head": "dense"}
     assert len(codes) == 12
     agree = next((i for i, (a, b) in enumerate(zip(codes, dense)) if a != b), len(codes))
     assert agree >= 6, f"the 8-bit codes left float32's greedy tokens at token {agree}: {codes} vs {dense}"

@@ -1,6 +1,7 @@
-"""What a quantized GGUF costs in resident memory once the model is built:
-its 4-bit codes packed once, the 8-bit head's copy, the embedding made row
-by row from the file, no dense copies, and the file's mapped pages let go.
+"""What a quantized or 16-bit GGUF costs in resident memory once the model
+is built: its codes (or 16-bit bits) packed once, the head's copy, the
+embedding made row by row from the file, no dense copies, and the file's
+mapped pages let go.
 Measured in a process of its own (bench/random_model.py writes the file)."""
 
 from __future__ import annotations
@@ -32,23 +33,27 @@ print(json.dumps({"grew": settled() - before, "activations": model.kernels.activ
 
 
 @pytest.mark.slow
-def test_a_4bit_model_holds_about_its_file_size(tmp_path):
-    if not native.int4_q8_supported(16, 32):
-        pytest.skip("no int8-activation C kernel here: the 4-bit rows need dense weights (torch's int4 op)")
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "f16"])
+def test_a_quantized_or_16_bit_model_holds_about_its_file_size(tmp_path, qtype):
+    if qtype != "f16" and not native.int4_q8_supported(16, 32):
+        pytest.skip("no int8-activation C kernel here: the 4- and 8-bit rows need dense weights")
+    if native.library() is None:
+        pytest.skip("the C kernels do not build here (no C compiler): F16 layers are held in float32")
     path = tmp_path / "m.gguf"
     made = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "random_model.py"), "--shape", "tiny", "--hidden", "1024", "--heads", "8",
-         "--kv-heads", "4", "--ffn", "4096", "--layers", "4", "--type", "q4_0", "-o", str(path)],
+         "--kv-heads", "4", "--ffn", "4096", "--layers", "4", "--type", qtype, "-o", str(path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
     probe = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert probe.returncode == 0, probe.stderr
     report = json.loads(probe.stdout.splitlines()[-1])
-    size = path.stat().st_size  # ~150 MB: 59 M weights in Q4_0, embedding and head in Q8_0
-    assert report["activations"] == "int8"
-    # float32 copies of every weight, as before, would be ~630 MB: 4x the file. What it
-    # holds: codes and the 8-bit head (~86 MB), and what any model of this vocabulary
-    # has (tokenizer, metadata, RoPE tables: the other ~86 MB seen here): within 1.2x the file
-    # plus 64 MB.
+    size = path.stat().st_size  # Q4_0 ~150 MB: 59 M weights in Q4_0, embedding and head in Q8_0; Q8_0 ~250 MB; F16 ~420 MB
+    assert report["activations"] == ("bf16" if qtype == "f16" else "int8")
+    # float32 copies of every weight, as before, would be ~630 MB (4x a Q4_0 file). What a
+    # Q4_0 model holds: codes and the 8-bit head (~86 MB), and what any model of this
+    # vocabulary has (tokenizer, metadata, RoPE tables: the other ~86 MB seen here);
+    # a Q8_0 one its codes at the file's size, an F16 one the file's bits: within 1.2x the
+    # file plus 64 MB.
     assert report["grew"] <= 1.2 * size + (64 << 20), (report["grew"] / 2**20, size / 2**20)

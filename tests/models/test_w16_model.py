@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from tests.tiny_model import tiny_weights, write_gguf
+from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
@@ -32,15 +32,20 @@ def files(tmp_path_factory):
     tokenizer = train_tiny_tokenizer()
     weights = tiny_weights(tokenizer.get_vocab_size(), seed=4)
     root = tmp_path_factory.mktemp("w16")
-    return {q: write_gguf(root / f"tiny-{q.name}.gguf", weights, tokenizer, qtype=q) for q in (Q.F16, Q.BF16)}
+    out = {q: write_gguf(root / f"tiny-{q.name}.gguf", weights, tokenizer, qtype=q) for q in (Q.F16, Q.BF16)}
+    tied = tiny_weights(tokenizer.get_vocab_size(), seed=4, tie=True)
+    out["tied"] = write_gguf(root / "tiny-tied-F16.gguf", tied, tokenizer, qtype=Q.F16)
+    return out
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, "tied"], ids=lambda q: getattr(q, "name", q))
 def test_sixteen_bit_layers_are_kept_as_such_and_compute_the_float32_models_logits(files, qtype):
     ckpt = load_checkpoint(files[qtype], dtype=torch.float32)
+    tied = qtype == "tied"
     layers = {n for n in ckpt.weights if n.startswith("model.layers.") and n.endswith("proj.weight")}
-    assert set(ckpt.w16) == layers and not any(ckpt.weights.is_held(n) for n in layers)
+    head = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    assert set(ckpt.w16) == layers | head and not any(ckpt.weights.is_held(n) for n in layers | head)
     assert all(ckpt.w16[n].bf16 == (qtype == Q.BF16) for n in layers)
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
     exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference")
@@ -49,7 +54,10 @@ def test_sixteen_bit_layers_are_kept_as_such_and_compute_the_float32_models_logi
             p = getattr(layer, name)
             assert isinstance(p, Projection) and isinstance(p.native, W16Pack) and p.weight.is_meta and p.every_row_kernel, name
             assert not p.quantized  # no 8-bit head is made for a 16-bit model
-    assert fast.head_int8 is None
+    # The head too runs on the file's bits (into float32 logits), and the embedding's rows come from the file.
+    assert fast.head_int8 is None and fast.head_w16 is not None and fast.lm_head.is_meta
+    assert fast.embed_rows is not None and fast.embed.is_meta
+    assert not ckpt.weights.is_held("model.embed_tokens.weight") and ("lm_head.weight" in ckpt.weights) != tied
     caches = {m: m.new_kv_cache(8, 4) for m in (fast, exact)}
     step = build_step([SeqChunk([5, 9, 33, 7, 2, 8, 11, 4], 0, [0, 1])], 4, fixed=True)
     for pos in range(8, 14):
@@ -61,6 +69,8 @@ def test_sixteen_bit_layers_are_kept_as_such_and_compute_the_float32_models_logi
 
 async def _greedy(path, use_int4: bool) -> list[int]:
     async with open_engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=2, use_int4=use_int4)) as engine:
+        kind = "16-bit" if use_int4 else "dense"
+        assert engine.compute["weights"] == {"layers": {kind: 4 * TINY["num_hidden_layers"]}, "head": kind}
         request = GenerateRequest([5, 9, 33, 7, 2, 8, 11, 4], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
         return [e.token_id async for e in engine.generate(request) if isinstance(e, TokenEvent)]
 

@@ -336,6 +336,18 @@ class Projection:
         return self.activations == "int8" and (self.native is not None or self.q8_twin is not None)
 
     @property
+    def kind(self) -> str:
+        """How the weight is held and run, in a word: "4-bit", "6-bit" or
+        "8-bit" (codes), "16-bit" (an F16/BF16 file's bits) or "dense"."""
+        if isinstance(self.native, w16.W16Pack):
+            return "16-bit"
+        if isinstance(self.native, int6.Int6Pack) or isinstance(self.q8_twin, Int6Parts):
+            return "6-bit"
+        if isinstance(self.native, int8w.Int8CodesPack) or isinstance(self.q8_twin, Int8Parts):
+            return "8-bit"
+        return "4-bit" if self.quantized else "dense"
+
+    @property
     def every_row_kernel(self) -> bool:
         """Every row goes through the kernel on the held weight: the 8-bit
         activations' codes (`every_row_8bit`), or 16-bit float weights

@@ -441,25 +441,28 @@ def int8_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked
 
 def w16_supported(n: int, k: int) -> bool:
     """Whether `w16_matmul` runs here for a [n, k] weight: the kernels built
-    (any CPU: the plain C build has it too), n a multiple of 16."""
-    return n > 0 and k > 0 and n % 16 == 0 and library() is not None
+    (any CPU: the plain C build has it too)."""
+    return n > 0 and k > 0 and library() is not None
 
 
-def w16_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def w16_matmul(
+    pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times a `kernels.w16.pack_w16` weight
     (F16 or BF16) transposed, products and sums in fp32 (the C source says
-    how; its twin is kernels/w16.py `w16_matmul`): [R, N] in x's dtype, each
-    row's result from that row alone."""
+    how; its twin is kernels/w16.py `w16_matmul`): [R, N] in ``out_dtype``
+    (bfloat16 or float32; default x's dtype), each row's result from that
+    row alone."""
     lib = _lib(lib)
     if checked:
         if x.dim() != 2 or x.shape[1] != pack.k:
             raise RuntimeError(f"w16_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
         x = x.contiguous()
         _float_kind(x)
-    bf16 = int(x.dtype == torch.bfloat16)
-    out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
+    out = torch.empty(x.shape[0], pack.n, dtype=out_dtype or x.dtype)
     code = lib.trioserve_w16_matmul(
-        pack.packed.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k, int(pack.bf16), bf16, bf16,
+        pack.packed.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k, int(pack.bf16),
+        int(x.dtype == torch.bfloat16), int(out.dtype == torch.bfloat16),
         threads or torch.get_num_threads(),
     )  # fmt: skip
     _check_matmul(code, "w16_matmul", pack.n, pack.k)

@@ -53,7 +53,8 @@ def parts_from_w16(array: np.ndarray, qtype_name: str) -> W16Parts:
 
 @attrs.frozen
 class W16Pack:
-    """A weight in `w16_matmul`'s layout: tiles of 16 outputs, each [K][16]."""
+    """A weight in `w16_matmul`'s layout: tiles of 16 outputs, each [K][16];
+    the last tile's rows past ``n`` are zero."""
 
     packed: torch.Tensor
     n: int
@@ -63,9 +64,9 @@ class W16Pack:
 
 def pack_w16(parts: W16Parts) -> W16Pack:
     n, k = parts.bits.shape
-    if n % TILE:
-        raise ValueError(f"w16_matmul takes weights of a multiple of 16 outputs, got {n} x {k}")
-    packed = parts.bits.view(n // TILE, TILE, k).transpose(1, 2).contiguous().view(-1)
+    width = -(-n // TILE) * TILE
+    bits = parts.bits if width == n else torch.cat([parts.bits, torch.zeros(width - n, k, dtype=torch.int16)])
+    packed = bits.view(width // TILE, TILE, k).transpose(1, 2).contiguous().view(-1)
     return W16Pack(packed, n, k, parts.bf16)
 
 

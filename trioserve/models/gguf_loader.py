@@ -134,11 +134,15 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             if not torch.isfinite(parts8.d).all():
                 raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
-        elif t.tensor_type.name in W16_TYPES and name.startswith("model.layers.") and len(t.shape) == 2 and t.shape[1] % 16 == 0:
+        elif t.tensor_type.name in W16_TYPES and len(t.shape) == 2 and (
+            name.startswith("model.layers.") or name in ("lm_head.weight", "model.embed_tokens.weight")
+        ):
             # The file's 16-bit floats as they are, for the 16-bit weight kernel; float32 or bf16 when asked for.
             w16[name] = functools.partial(_parts16, path, t, heads, reader)
             w16[name]()  # checked once (finite), here
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
+            if name == "model.embed_tokens.weight":  # looked up a few rows a step, from the file
+                rows[name] = functools.partial(_rows, t, dtype)
         elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
             # Read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows): dense only
             # when asked for. Checked whole once, here.

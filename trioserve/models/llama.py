@@ -16,11 +16,11 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import memory
+from trioserve.kernels import memory, native
 from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.int8w import Int8Parts, concat_rows8
-from trioserve.kernels.w16 import W16Parts, concat_rows16
+from trioserve.kernels.w16 import W16Parts, concat_rows16, pack_w16
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
@@ -204,17 +204,25 @@ class LlamaModel:
         # weight. The head and the embedding are made after the layers, one at
         # a time, so that at most one dense copy exists while the model is built.
         embed_name = "model.embed_tokens.weight"
-        self.lm_head = w(embed_name) if config.tie_embeddings else w("lm_head.weight")
+        head_name = embed_name if config.tie_embeddings else "lm_head.weight"
+        # A 16-bit float head (an F16 or BF16 file's, kernels/w16.py) of a model whose layers
+        # take no 8-bit codes runs on the file's bits, per row, into float32 logits.
+        self.head_w16 = None
+        if not quantized and head_name in w16 and native.w16_supported(config.vocab_size, config.hidden_size):
+            self.head_w16 = pack_w16(w16[head_name])
+            self.lm_head = torch.empty((config.vocab_size, config.hidden_size), dtype=self.dtype, device="meta")
+        else:
+            self.lm_head = w(head_name)
         self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
         if self.head_int8 is not None and not config.tie_embeddings:
             self.lm_head = torch.empty(self.lm_head.shape, dtype=self.lm_head.dtype, device="meta")  # the 8-bit copy serves
         self.embed_rows = None
         source = (rows or {}).get(embed_name)
-        if source is not None and self.device.type == "cpu" and (self.head_int8 is not None or not config.tie_embeddings):
+        if source is not None and self.device.type == "cpu" and (self.head_int8 is not None or self.head_w16 is not None or not config.tie_embeddings):
             self.embed_rows = source
             self.embed = torch.empty((config.vocab_size, config.hidden_size), dtype=self.dtype, device="meta")
             if config.tie_embeddings:
-                self.lm_head = self.embed  # the 8-bit head serves: head_int8
+                self.lm_head = self.embed  # the 8-bit or 16-bit head serves: head_int8, head_w16
         else:
             self.embed = self.lm_head if config.tie_embeddings else w(embed_name)
         # A dense 16-bit head on a GPU sums into float32 logits and keeps them.
@@ -336,6 +344,8 @@ class LlamaModel:
         """Logits [S, vocab] fp32 of the final-normed rows ``last``."""
         if self.head_int8 is not None:  # per-row arithmetic in either mode
             return self.head_int8(last)
+        if self.head_w16 is not None:  # per row too
+            return native.w16_matmul(self.head_w16, last.contiguous(), checked=False, out_dtype=torch.float32)
         if self.batch_invariant:
             return tiled_head(last, self.lm_head, out_dtype=self.head_out_dtype).float()
         if self.head_out_dtype is not None:

@@ -1986,17 +1986,19 @@ static inline __attribute__((always_inline)) void w16_pass(const uint16_t *w, co
 
 /* out [R, N] (fp32, or bf16 when out_bf16) = x [R, K] (fp32, or bf16 when
  * x_bf16) times the 16-bit weight (F16, or BF16 when w_bf16) transposed.
- * Returns 1 when n is not a multiple of 16, 2 when scratch memory cannot be
- * had, else 0. */
+ * The packed weight holds N rounded up to a multiple of 16 outputs (the
+ * last tile's padding rows zero); only N are written. Returns 1 when k < 1,
+ * 2 when scratch memory cannot be had, else 0. */
 int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64_t rows, int64_t n, int64_t k, int w_bf16,
                          int x_bf16, int out_bf16, int threads) {
-    if (n % 16 || k < 1) return 1;
-    const int64_t tiles = n / 16, groups = (tiles + W16_TILES - 1) / W16_TILES;
+    if (n < 1 || k < 1) return 1;
+    const int64_t tiles = (n + 15) / 16, width = tiles * 16, groups = (tiles + W16_TILES - 1) / W16_TILES;
+    const int direct = !out_bf16 && width == n;
     float *xf = malloc((size_t)(rows * k) * sizeof(float) + 1);
-    float *of = out_bf16 ? malloc((size_t)(rows * n) * sizeof(float) + 1) : (float *)out;
+    float *of = direct ? (float *)out : malloc((size_t)(rows * width) * sizeof(float) + 1);
     if (!xf || !of) {
         free(xf);
-        if (out_bf16) free(of);
+        if (!direct) free(of);
         return 2;
     }
     for (int64_t i = 0; i < rows * k; i++) xf[i] = load(x, i, x_bf16);
@@ -2010,7 +2012,8 @@ int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64
         const uint16_t *w = packed + t0 * k * 16;
         for (int64_t r0 = 0; r0 < rows; r0 += W16_ROWS) {
             const float *xr = xf + r0 * k;
-            float *o = of + r0 * n + t0 * 16;
+            float *o = of + r0 * width + t0 * 16;
+            const int64_t n = width; /* the passes' row stride */
             switch (rows - r0 >= W16_ROWS ? W16_ROWS : (int)(rows - r0)) {
                 W16_CASE(6)
                 W16_CASE(5)
@@ -2021,8 +2024,12 @@ int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64
             }
         }
     }
-    if (out_bf16) {
-        for (int64_t i = 0; i < rows * n; i++) ((uint16_t *)out)[i] = float_to_bf16(of[i]);
+    if (!direct) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) {
+                if (out_bf16) ((uint16_t *)out)[r * n + j] = float_to_bf16(of[r * width + j]);
+                else ((float *)out)[r * n + j] = of[r * width + j];
+            }
         free(of);
     }
     free(xf);
