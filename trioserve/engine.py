@@ -341,11 +341,14 @@ def compute_card(model: LlamaModel) -> dict[str, object]:
     }
 
 
-def weight_card(model: LlamaModel) -> dict[str, object]:
+def weight_card(model: LlamaModel) -> dict[str, object] | None:
     """How the model holds its weights: the layer matrices counted by kind
     (`Projection.kind`: 4-, 6- or 8-bit codes, an F16/BF16 file's 16 bits,
     or dense; a fused matrix whose parts differ counts each part), and the
-    output head's kind."""
+    output head's kind. None for a model handed to the engine that does
+    not show its layers."""
+    if not hasattr(model, "layers"):
+        return None
     layers: dict[str, int] = {}
     for layer in model.layers:
         for fused in (layer.qkv, layer.o, layer.gate_up, layer.down):
