@@ -141,7 +141,7 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y);
 }
 
-static void softmax_rows(float *scores, int64_t len, int64_t group) {
+static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, int64_t group) {
     for (int64_t j = 0; j < group; j++) {
         float *sc = scores + j * len;
         __m512 top = _mm512_set1_ps(sc[0]);
@@ -167,8 +167,61 @@ static void softmax_rows(float *scores, int64_t len, int64_t group) {
         for (; t < len; t++) sc[t] *= inv;
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* `exp_nonpositive` of 8 lanes: the same operations, unfused. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187045e-06f)));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ));
+}
+
+/* The scalar version's steps 8 lanes at a time (the sum in the same 16 lanes). */
+static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, int64_t group) {
+    for (int64_t j = 0; j < group; j++) {
+        float *sc = scores + j * len;
+        __m256 top = _mm256_set1_ps(sc[0]);
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + t));
+        float spill[LANES];
+        _mm256_storeu_ps(spill, top);
+        float m = spill[0];
+        for (int i = 1; i < 8; i++) m = spill[i] > m ? spill[i] : m;
+        for (; t < len; t++) m = sc[t] > m ? sc[t] : m;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (t = 0; t + LANES <= len; t += LANES) {
+            const __m256 e0 = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mv));
+            const __m256 e1 = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + t + 8), mv));
+            _mm256_storeu_ps(sc + t, e0);
+            _mm256_storeu_ps(sc + t + 8, e1);
+            lo = _mm256_add_ps(lo, e0);
+            hi = _mm256_add_ps(hi, e1);
+        }
+        for (int64_t u = t; u < len; u++) sc[u] = exp_nonpositive(sc[u] - m);
+        _mm256_storeu_ps(spill, lo);
+        _mm256_storeu_ps(spill + 8, hi);
+        float sum = lane_sum(spill);
+        for (; t < len; t++) sum += sc[t];
+        const float inv = 1.0f / sum;
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), iv));
+        for (; t < len; t++) sc[t] *= inv;
+    }
+}
 #else
-static void softmax_rows(float *scores, int64_t len, int64_t group) {
+static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, int64_t group) {
     for (int64_t j = 0; j < group; j++) {
         float *sc = scores + j * len;
         float top = sc[0];
@@ -227,6 +280,78 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
     for (int64_t j = 0; j < group; j++)
         memcpy(job->out + (s * job->heads + g * group + j) * dim, acc[j], (size_t)dim * sizeof(float));
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* `item_body` with 256-bit registers, for every x86 build with AVX2 and FMA
+ * (so the AVX2 and AVX-512 builds give the same bits): each score is 16
+ * lanes of fused products over the head dim (lanes 0-7 and 8-15 in two
+ * registers) and the fixed tree `lane_sum` uses; each value sum is one fused
+ * chain per output lane, keys in order. A row's result depends on that row
+ * alone. */
+#define VECTOR_ITEMS 1
+static inline __m256 kv8(const void *base, int64_t at, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(const Job *job, int64_t item, float *scores,
+                                                                            const int64_t dim, const int64_t group,
+                                                                            const int bf16) {
+    const int64_t bs = job->block_size;
+    const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
+    const int64_t len = job->lens[s];
+    const int64_t *table = row_table(job, s);
+    float qf[MAX_GROUP][LANES * 16] __attribute__((aligned(32)));
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim;
+        const int64_t end = len - t0 < bs ? len - t0 : bs;
+        for (int64_t u = 0; u < end; u++) {
+            const int64_t at = base + u * dim;
+            for (int64_t j = 0; j < group; j++) {
+                __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+                for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
+                    lo = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + d0), kv8(job->k, at + d0, bf16), lo);
+                    hi = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + d0 + 8), kv8(job->k, at + d0 + 8, bf16), hi);
+                }
+                const __m256 s8 = _mm256_add_ps(lo, hi);
+                const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+                const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                scores[j * len + t0 + u] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+            }
+        }
+    }
+    softmax_rows(scores, len, group);
+    /* Values, 16 output lanes at a time (8 where many heads share the KV head). */
+    const int64_t width = group <= 6 ? 16 : 8;
+    for (int64_t d0 = 0; d0 < dim; d0 += width) {
+        __m256 acc[MAX_GROUP][2];
+        for (int64_t j = 0; j < group; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {
+            const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim + d0;
+            const int64_t end = len - t0 < bs ? len - t0 : bs;
+            for (int64_t u = 0; u < end; u++) {
+                const __m256 v0 = kv8(job->v, base + u * dim, bf16);
+                const __m256 v1 = width == 16 ? kv8(job->v, base + u * dim + 8, bf16) : v0;
+                for (int64_t j = 0; j < group; j++) {
+                    const __m256 p = _mm256_set1_ps(scores[j * len + t0 + u]);
+                    acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);
+                    if (width == 16) acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);
+                }
+            }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float *o = job->out + (s * job->heads + g * group + j) * dim + d0;
+            _mm256_storeu_ps(o, acc[j][0]);
+            if (width == 16) _mm256_storeu_ps(o + 8, acc[j][1]);
+        }
+    }
+}
+#else
+#define VECTOR_ITEMS 0
+#endif
 
 /* Rows of one sequence taken together by the bf16 path (they share the
  * loads of its keys and values; each row's arithmetic is its own). */
@@ -388,10 +513,15 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
 /* The same arithmetic for every shape; the cases only let the compiler
  * specialize the loops (a row's bits do not depend on which case runs,
  * since every shape takes exactly one). */
+#if VECTOR_ITEMS
+#define ITEM_BODY item_body8
+#else
+#define ITEM_BODY item_body
+#endif
 #define CASE(D, G)                                                                  \
     if (dim == D && group == G) {                                                   \
-        if (job->bf16) item_body(job, item, scores, D, G, 1);                        \
-        else item_body(job, item, scores, D, G, 0);                                  \
+        if (job->bf16) ITEM_BODY(job, item, scores, D, G, 1);                        \
+        else ITEM_BODY(job, item, scores, D, G, 0);                                  \
         return;                                                                     \
     }
 
@@ -399,8 +529,8 @@ static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores)
     const int64_t dim = job->dim, group = job->heads / job->kv_heads;
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
-    if (job->bf16) item_body(job, item, scores, dim, group, 1);
-    else item_body(job, item, scores, dim, group, 0);
+    if (job->bf16) ITEM_BODY(job, item, scores, dim, group, 1);
+    else ITEM_BODY(job, item, scores, dim, group, 0);
 }
 
 /* Attention of query rows to cached keys and values, read where they lie
@@ -623,6 +753,16 @@ static inline __m512 silu16(__m512 x) {
 /* out[t, i] = silu(gu[t, i]) * gu[t, f + i] for i < f, gu [rows, 2f]: the
  * product in fp32, rounded once to out's dtype (bf16 or fp32, as gu); with
  * AVX-512, 16 at a time by the same operations. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* `silu16`'s operations on 8 lanes (float32 rows: what an AVX2 CPU serves). */
+static inline __m256 silu8(__m256 x) {
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 e = exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), x, neg));
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+#endif
+
 void trioserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t f, int bf16) {
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
@@ -633,6 +773,12 @@ void trioserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t f, int 
             if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * f + i), bf16_of16(y));
             else _mm512_storeu_ps((float *)out + r * f + i, y);
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (!bf16)
+            for (; i + 8 <= f; i += 8) {
+                const float *g = (const float *)gu + r * 2 * f;
+                _mm256_storeu_ps((float *)out + r * f + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(g + f + i)));
+            }
 #endif
         for (; i < f; i++) {
             const float g = load(gu, r * 2 * f + i, bf16), u = load(gu, r * 2 * f + f + i, bf16);
