@@ -1482,6 +1482,64 @@ static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, cons
     }
 }
 
+#if !defined(__AVXVNNI__)
+/* `a2_pass` for both halves of a tile at once (AVX2 without VNNI): the
+ * inputs' broadcasts serve 16 outputs, and each half's eight `vpmaddubsw`
+ * per block are summed in int16 before one `vpmaddwd` (at most 30,720 in
+ * size: exact). The same integer sums and the same float steps per half,
+ * so the same bits. */
+static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                           const float *xd, const float *xs, void *out, int64_t nb,
+                                                           int64_t k, int64_t n, const int rows, const int tiles,
+                                                           const int c, const int bf16_out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[A2_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK;
+        __m256i s16[A2_ROWS][2];
+        for (int r = 0; r < rows; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + 32));
+            const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+            const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + b * A2_BLOCK + 4 * j;
+                int32_t first, second;
+                memcpy(&first, xr, sizeof first);
+                memcpy(&second, xr + 16, sizeof second);
+                const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
+                s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
+                s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
+            }
+        }
+        const uint16_t *s = sc + (b * tiles + c) * 32;
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + h * 8)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 + h * 8)));
+            for (int r = 0; r < rows; r++) {
+                const __m256i isum = _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1));
+                const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dx, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t col = c * 16 + h * 8;
+            if (bf16_out) {
+                float f[8];
+                _mm256_storeu_ps(f, acc[r][h]);
+                for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
+            } else {
+                _mm256_storeu_ps((float *)out + r * n + col, acc[r][h]);
+            }
+        }
+}
+#endif
+
 /* `q8a_block` on 256-bit registers: the same xq, xd and xs bits. */
 static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float *xs) {
     __m256 v[4];
@@ -1509,11 +1567,18 @@ static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float
 }
 
 #endif
+#if !defined(__AVX2__) || defined(__AVXVNNI__)
 #define A2_PASS(R)                                                                                   \
     case R:                                                                                          \
         for (int c = 0; c < tiles; c++)                                                               \
             for (int h = 0; h < 2; h++) a2_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, h, bf16_out); \
         break;
+#else
+#define A2_PASS(R)                                                                                   \
+    case R:                                                                                          \
+        for (int c = 0; c < tiles; c++) a2_pass16(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, bf16_out); \
+        break;
+#endif
 
 #ifndef HAVE_PREFETCH
 typedef struct {
