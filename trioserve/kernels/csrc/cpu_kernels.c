@@ -1873,6 +1873,7 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
         for (int half = 0; half < 2; half++) {
             __m256i isum[I6_ROWS];
             for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
             for (int j = 0; j < 4; j++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + h8 * 32));
                 for (int r = 0; r < rows; r++) {
@@ -1881,6 +1882,22 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
                     isum[r] = a2_dot(isum[r], v, _mm256_set1_epi32(quad));
                 }
             }
+#else
+            /* Two quads' `vpmaddubsw` results summed in int16 before one
+             * `vpmaddwd`: each is at most 2 x 63 x 128 = 16,128 in size, two
+             * 32,256, so the int32 sums are the VNNI build's. */
+            for (int j = 0; j < 4; j += 2) {
+                const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + h8 * 32;
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)at), v1 = _mm256_loadu_si256((const __m256i *)(at + 64));
+                for (int r = 0; r < rows; r++) {
+                    int32_t quad[2];
+                    memcpy(quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(quad[0])),
+                                                          _mm256_maddubs_epi16(v1, _mm256_set1_epi32(quad[1])));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, _mm256_set1_epi16(1)));
+                }
+            }
+#endif
             const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16 + h8 * 8;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
