@@ -78,6 +78,30 @@ def test_float32_projection_packs_and_gives_a_bf16_models_int4_arithmetic():
     assert Projection(parts.dequantize().half(), None, parts).packed is None
 
 
+@pytest.mark.parametrize("n", [96, 8192 + 64])
+def test_an_8_bit_head_made_slice_by_slice_is_the_one_made_whole(n):
+    """`Int8Rows.from_rows` (the file's rows, a slice at a time, packed as
+    they come) holds the same codes, scales and kernel layout as the head
+    made from the whole weight, and gives the same logits; its codes exist
+    once (in the kernel's layout where the C kernel runs)."""
+    gen = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, 64, generator=gen) * torch.rand(n, 1, generator=gen)
+    asked = []
+
+    def fetch(start, end):
+        asked.append((start, end))
+        return weight[start:end].clone()
+
+    whole, sliced = Int8Rows(weight), Int8Rows.from_rows(fetch, n, 64)
+    assert asked == [(s, min(n, s + 4096)) for s in range(0, n, 4096)]
+    assert torch.equal(whole.q, sliced.q) and torch.equal(whole.scale, sliced.scale)
+    assert (whole.native is None) == (sliced.native is None)
+    if sliced.native is not None:
+        assert torch.equal(whole.native.packed, sliced.native.packed) and sliced._q is None
+    x = torch.randn(5, 64, generator=gen)
+    assert torch.equal(whole(x), sliced(x))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 32])
 def test_int8_rows_are_close_and_each_row_is_computed_on_its_own(rows):
     """The 8-bit head: within 8-bit rounding of the float32 product, and a

@@ -1,5 +1,6 @@
-"""The KV pool's memory (kernels/memory.py): zeros like torch.zeros, and on
-Linux with transparent huge pages enabled, backed by 2 MiB pages."""
+"""The KV pool's memory (kernels/memory.py): zeros like torch.zeros,
+resident only where written, and on Linux with transparent huge pages
+enabled, backed by 2 MiB pages."""
 
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ def test_zeros_are_zeros_of_the_shape_and_dtype_asked():
     assert t.sum().item() == 4
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 3 << 20)])
+def test_zeros_small_and_big_are_zeros_and_writable(shape):
+    t = memory.zeros(shape, dtype=torch.float32)
+    assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
+    assert not t.any()
+    flat = t.view(-1)
+    flat[-1] = 2
+    flat[0] = 1
+    assert t.sum().item() == 3 and t.reshape(-1)[-1].item() == 2
+
+
+def _rss() -> int:
+    return int(next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:")).split()[1]) << 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status is Linux's")
+def test_a_pool_is_resident_only_where_written():
+    """A 256 MiB pool adds (about) nothing to resident memory until written,
+    then about the part written."""
+    before = _rss()
+    t = memory.zeros((64, 1 << 20), dtype=torch.float32)  # 256 MiB
+    made = _rss() - before
+    t[:8].fill_(1.0)  # 32 MiB
+    written = _rss() - before
+    assert made < 16 << 20, f"an unwritten 256 MiB pool is {made >> 20} MiB resident"
+    assert 32 << 20 <= written < 64 << 20, written >> 20
+    assert t[:8].eq(1).all() and not t[8:].any()
+
+
 def test_memory_smaller_than_a_huge_page_is_not_advised():
     assert memory.advise_huge_pages(torch.empty(1024)) is False
 
@@ -51,6 +81,8 @@ def test_memory_smaller_than_a_huge_page_is_not_advised():
 def test_a_big_pool_lies_on_huge_pages_where_the_system_gives_them():
     mode = _thp_mode()
     t = memory.zeros(((64 << 20) // 2,), dtype=torch.bfloat16)  # 64 MiB
+    assert not t.any()  # reading maps the shared zero page (no huge pages yet): only a write backs memory
+    t.fill_(0)
     huge = _huge_kib_under(t.data_ptr() + (32 << 20))
     if mode in ("always", "madvise"):
         assert huge >= 16 << 10, f"transparent huge pages are {mode!r}, yet {huge} KiB of the pool is on them"

@@ -1,17 +1,102 @@
-"""The header walk that runs before the gguf package: a corrupted length or
-count is a CheckpointError naming the file, never an allocation that kills
-the process or an exception of another kind."""
+"""trioserve's GGUF reader (models/gguf_header.py): the same metadata and
+tensors as the gguf package's reader; a corrupted length or count is a
+CheckpointError naming the file, never an allocation that kills the
+process or an exception of another kind; and it holds little memory."""
 
 from __future__ import annotations
 
+import json
 import random
 import struct
+import subprocess
+import sys
 
+import gguf
+import numpy as np
 import pytest
 
+from tests.tiny_tokenizer import smollm2_gguf_path
 from trioserve.errors import CheckpointError
 from trioserve.models.checkpoint import load_checkpoint
+from trioserve.models.gguf_file import open_reader
 from trioserve.models.gguf_header import check_header
+
+
+@pytest.mark.parametrize("kind", ["gguf_f32", "gguf_q8_0", "gguf_q4_1"])
+def test_the_reader_reads_what_the_gguf_package_reads(tiny_checkpoints, kind):
+    path = tiny_checkpoints[kind]
+    ours, theirs = open_reader(path), gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata.keys() == expected.keys()
+    for key, value in expected.items():
+        value = value.item() if isinstance(value, np.generic) else value
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == t.tensor_type and mine.shape == tuple(int(d) for d in t.shape)
+        assert (mine.n_bytes, mine.data_offset) == (t.n_bytes, t.data_offset)
+        assert mine.data.dtype == t.data.dtype and mine.data.shape == t.data.shape
+        assert np.array_equal(mine.data, t.data), mine.name
+        assert not mine.data.flags.writeable
+
+
+def test_the_default_model_reads_the_same_and_holds_little_memory():
+    """SmolLM2's file: 49,152 tokens and ~48,900 merges. The gguf package's
+    reader holds ~150 MB for them (a numpy object per part of every string);
+    this one its plain values and the mapping's views."""
+    path = smollm2_gguf_path()
+    probe = (
+        "import ctypes, gc, json, sys\n"
+        "from trioserve.models.gguf_file import open_reader\n"
+        "def rss():\n"
+        "    gc.collect(); ctypes.CDLL(None).malloc_trim(0)\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) << 10\n"
+        "before = rss(); r = open_reader(sys.argv[1]); held = rss() - before\n"
+        "print(json.dumps({'held': held, 'tokens': len(r.metadata['tokenizer.ggml.tokens']), 'tensors': len(r.tensors)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert report["tokens"] == 49152 and report["tensors"] == 272
+    assert report["held"] < 40 << 20, report["held"] >> 20
+
+
+def _tensor_entry(data: bytes, name: str) -> int:
+    """Offset of tensor ``name``'s entry in the tensor table (its name's length)."""
+    return data.index(struct.pack("<Q", len(name)) + name.encode())
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        ("duplicate", "tensor 'blk.0.attn_q.weight' appears twice"),
+        ("past_the_end", "tensor 'token_embd.weight' needs"),
+        ("unknown_type", "tensor 'output_norm.weight' has unknown type 250"),
+        ("partial_block", "is not whole Q8_0 blocks of 32"),
+    ],
+)
+def test_a_bad_tensor_table_is_named(tmp_path, tiny_checkpoints, corrupt, message):
+    data = bytearray(tiny_checkpoints["gguf_q8_0"].read_bytes())
+    if corrupt == "duplicate":  # K's name, same length, made Q's
+        at = _tensor_entry(data, "blk.0.attn_k.weight") + 8
+        data[at : at + len("blk.0.attn_q.weight")] = b"blk.0.attn_q.weight"
+    elif corrupt == "past_the_end":
+        at = _tensor_entry(data, "token_embd.weight") + 8 + len("token_embd.weight")
+        dims = struct.unpack_from("<I", data, at)[0]
+        struct.pack_into("<Q", data, at + 4 + 8 * dims + 4, 1 << 40)  # the offset
+    elif corrupt == "unknown_type":
+        at = _tensor_entry(data, "output_norm.weight") + 8 + len("output_norm.weight")
+        dims = struct.unpack_from("<I", data, at)[0]
+        struct.pack_into("<I", data, at + 4 + 8 * dims, 250)
+    else:
+        at = _tensor_entry(data, "blk.0.attn_q.weight") + 8 + len("blk.0.attn_q.weight")
+        struct.pack_into("<Q", data, at + 4, 33)  # 33 columns: not whole blocks of 32
+    path = tmp_path / f"{corrupt}.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert info.value.path == str(path)
+    assert message in info.value.problem
 
 
 def _count_offset(data: bytes, key: str) -> int:

@@ -17,6 +17,7 @@ the default batch-invariant mode the bf16 rows go in fixed-size tiles
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -44,6 +45,10 @@ class Int4Parts:
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
 
     def take_rows(self, order: np.ndarray) -> Int4Parts:
         index = torch.from_numpy(np.ascontiguousarray(order))
@@ -246,6 +251,20 @@ def float_logits_mm(weight: torch.Tensor) -> bool:
         return False
 
 
+@attrs.frozen
+class DenseLater:
+    """A dense weight not made yet: its shape, dtype and device, and how to
+    make it. A `Projection` whose rows all run on codes never reads the
+    dense values, so they are made only where a path does (bf16 prompt rows,
+    a shape no kernel takes): a model's build then never holds a float copy
+    of its biggest matrix beside the codes."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+    make: Callable[[], torch.Tensor]
+
+
 class Projection:
     """y = x @ W.T, with W held in the model dtype and, when given, also as
     packed int4 used for the leading ``int4_rows`` rows of a call.
@@ -257,7 +276,7 @@ class Projection:
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | DenseLater,
         bias: torch.Tensor | None = None,
         int4: Int4Parts | None = None,
         *,
@@ -271,6 +290,11 @@ class Projection:
         not run or ``use_native`` is false)."""
         if activations not in ("bf16", "int8"):
             raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
+        self._setup(weight, bias, int4, use_native, activations)
+        if isinstance(self.weight, DenseLater):  # a path below reads the dense values: make them now
+            self.weight = self.weight.make()
+
+    def _setup(self, weight: torch.Tensor | DenseLater, bias: torch.Tensor | None, int4, use_native: bool, activations: str) -> None:
         self.weight = weight
         self.bias = bias
         self.packed = None
@@ -445,24 +469,49 @@ class Int8Rows:
     it is."""
 
     def __init__(self, weight: torch.Tensor):
+        self._build(lambda start, end: weight[start:end], *weight.shape, weight.device)
+
+    @classmethod
+    def from_rows(cls, fetch: Callable[[int, int], torch.Tensor], n: int, k: int) -> Int8Rows:
+        """The 8-bit head of an [n, k] weight on the CPU whose rows [start,
+        end) ``fetch(start, end)`` makes (the file's, Checkpoint.rows): no
+        dense copy of the whole exists at any time."""
+        head = cls.__new__(cls)
+        head._build(fetch, n, k, torch.device("cpu"))
+        return head
+
+    def _build(self, fetch: Callable[[int, int], torch.Tensor], n: int, k: int, device: torch.device) -> None:
         # The kernel takes bf16 scales: round each up past bf16's rounding
         # (relative 2**-8) first, then quantize with the rounded scale, so a
         # weight is off by at most half a step and none needs clamping.
-        # Row by row in slices, so a big head's float temporaries stay small.
-        self.q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        # Row by row in slices, so a big head's float temporaries stay small;
+        # where the C kernel runs, each slice goes straight into its layout
+        # (whole panels of 32 rows pack alone), so the codes exist once.
+        packs = device.type == "cpu" and native.int8_supported(n, k)
+        codes = torch.empty(n * k if packs else (n, k), dtype=torch.int8, device=device)
         scales = []
-        for start in range(0, weight.shape[0], HEAD_SLICE_ROWS):
-            w = weight[start : start + HEAD_SLICE_ROWS].float()
+        for start in range(0, n, HEAD_SLICE_ROWS):
+            end = min(n, start + HEAD_SLICE_ROWS)
+            w = fetch(start, end).float()
             scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127 * (1 + 2**-7)).to(torch.bfloat16)
-            self.q[start : start + HEAD_SLICE_ROWS] = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+            q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+            if packs:
+                codes[start * k : end * k] = native.pack_int8_codes(q)
+            else:
+                codes[start:end] = q
             scales.append(scale)
-        scale = torch.cat(scales) if scales else torch.empty(0, dtype=torch.bfloat16)
-        self.scale = scale
+        self.scale = torch.cat(scales) if scales else torch.empty(0, dtype=torch.bfloat16)
         # The C kernel where it runs (kernels/native.py): 2-3x faster for
         # 8-32 rows, and exact products of the bf16 inputs with the codes,
         # summed in fp32 before the scale (torch's op rounds on the way).
-        self.native = native.pack_int8(self.q, scale) if weight.device.type == "cpu" and native.int8_supported(*self.q.shape) else None
+        self.native = native.Int8Pack(codes, self.scale.float().contiguous(), n, k) if packs else None
+        self._q = None if packs else codes
         self._lib = native.library() if self.native is not None else None  # pinned (kernels/native.py `_lib`)
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The codes [N, K] int8 (made from the kernel's layout where it holds them)."""
+        return self._q if self._q is not None else native.unpack_int8_codes(self.native)
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]

@@ -36,6 +36,10 @@ class Int6Parts:
     d: torch.Tensor
     m: torch.Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.u.shape)
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.u.shape
         return (self.u.float().view(n, k // GROUP, GROUP) * self.d[..., None] + self.m[..., None]).view(n, k)

@@ -28,6 +28,10 @@ class Int8Parts:
     c: torch.Tensor
     d: torch.Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.c.shape)
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.c.shape
         return (self.c.float().view(n, k // BLOCK, BLOCK) * self.d[..., None]).view(n, k)

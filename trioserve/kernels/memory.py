@@ -1,4 +1,10 @@
-"""The KV pool on transparent huge pages.
+"""The KV pool: resident only where written, on transparent huge pages.
+
+Resident memory: the pool is anonymous memory from the kernel, which is
+zero-filled page by page on first touch, so it is all zeros without being
+written and costs resident memory only for the blocks serving has used,
+as llama.cpp's does for its context. Writing the zeros instead made the
+whole pool (512 MiB by default) resident at start.
 
 Why: decode attention reads a sequence's blocks where they lie, and after
 a while of serving they lie scattered over the whole pool. With 4 KiB
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import sys
 
 import torch
@@ -56,7 +64,13 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.zeros``; on the CPU, on huge pages where the system gives them."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+    """``torch.zeros``; on the CPU, anonymous memory that becomes resident
+    page by page as it is first written, on huge pages where the system
+    gives them."""
+    size = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or size < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled by the kernel, lazily
+    t = torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps ``region`` alive
     advise_huge_pages(t)
-    return t.zero_()
+    return t

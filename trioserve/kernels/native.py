@@ -584,12 +584,24 @@ class Int8Pack:
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Pack:
     """Lay out int8 codes [N, K] with one scale per output for `int8_matmul`."""
+    return Int8Pack(pack_int8_codes(q), scale.float().contiguous(), *q.shape)
+
+
+def pack_int8_codes(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in `int8_matmul`'s layout, flat. Panels of 32 outputs
+    are laid out one after another, so any slice of whole panels packs alone:
+    rows [32 a, 32 b) become elements [32 a K, 32 b K) of the whole's layout."""
     n, k = q.shape
     if n % 32 or k % 2:
         raise ValueError(f"int8_matmul takes weights of a multiple of 32 outputs and an even number of inputs, got {n} x {k}")
     # [panel, tile, column, pair, t] -> [panel, pair, tile, column, t]
-    packed = q.reshape(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous().reshape(-1)
-    return Int8Pack(packed, scale.float().contiguous(), n, k)
+    return q.reshape(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous().reshape(-1)
+
+
+def unpack_int8_codes(pack: Int8Pack) -> torch.Tensor:
+    """The codes [N, K] of an `Int8Pack` (the inverse of `pack_int8_codes`)."""
+    n, k = pack.n, pack.k
+    return pack.packed.reshape(n // 32, k // 2, 2, 16, 2).permute(0, 2, 3, 1, 4).reshape(n, k)
 
 
 def int8_matmul(pack: Int8Pack, x: torch.Tensor, *, threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:

@@ -26,6 +26,10 @@ class W16Parts:
     bits: torch.Tensor
     bf16: bool
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.bits.shape)
+
     def dequantize(self) -> torch.Tensor:
         if self.bf16:
             return self.bits.view(torch.bfloat16).float()

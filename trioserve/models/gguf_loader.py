@@ -21,6 +21,7 @@ from trioserve.kernels.w16 import W16_TYPES, W16Parts, parts_from_w16
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
+from trioserve.models.gguf_header import GGUFFile, GGUFTensor
 from trioserve.models.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -89,6 +90,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
     reader = open_reader(path)
     meta = metadata(reader, path)
+    reader.metadata = {}  # the closures below keep the reader for the model's life; the tokenizer is made from ``meta``
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -142,18 +144,15 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             w16[name]()  # checked once (finite), here
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
             if name == "model.embed_tokens.weight":  # looked up a few rows a step, from the file
-                rows[name] = functools.partial(_rows, t, dtype)
-        elif name == "lm_head.weight" and t.tensor_type not in DENSE_TYPES:
-            # Read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows): dense only
-            # when asked for. Checked whole once, here.
-            _dense(path, t, heads, dtype, reader)
+                rows[name] = functools.partial(_rows, t, dtype, reader)
+        elif name in ("lm_head.weight", "model.embed_tokens.weight") and t.tensor_type not in DENSE_TYPES and len(t.shape) == 2:
+            # The head is read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows),
+            # made slice by slice from the file's rows; the embedding a few rows a step, from the
+            # file's rows (LlamaModel keeps no dense copy where no dense head reads it). Dense only
+            # when asked for. Checked whole once, here, a slice at a time.
+            _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
-        elif name == "model.embed_tokens.weight" and t.tensor_type not in DENSE_TYPES:
-            # Looked up a few rows a step: made from the file's rows (LlamaModel keeps no dense copy
-            # where no dense head reads it). Checked whole once, here.
-            _dense(path, t, heads, dtype, reader)
-            made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
-            rows[name] = functools.partial(_rows, t, dtype)
+            rows[name] = functools.partial(_rows, t, dtype, reader)
         else:
             held[name] = _dense(path, t, heads, dtype, reader)
         if progress is not None:
@@ -169,12 +168,12 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     )
 
 
-def _drop_pages(reader: gguf.GGUFReader, t: gguf.ReaderTensor | None = None) -> None:
+def _drop_pages(reader: GGUFFile, t: GGUFTensor | None = None) -> None:
     """Let the kernel drop the mapped file's pages (tensor ``t``'s, or all)
     from this process's resident memory: they are clean, read again from
     the file (the page cache) if touched. So the file does not sit in
     resident memory beside what was made of it."""
-    region = getattr(reader.data, "_mmap", None)
+    region = reader.mapping
     if region is None or not hasattr(region, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
     if t is None:
@@ -189,22 +188,29 @@ def _drop_pages(reader: gguf.GGUFReader, t: gguf.ReaderTensor | None = None) -> 
 DENSE_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 
-def _rows(t: gguf.ReaderTensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+ROWS_DROP_PAGES = 256  # a read of this many rows or more lets the tensor's mapped pages go after
+
+
+def _rows(t: GGUFTensor, dtype: torch.dtype, reader: GGUFFile, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of the quantized 2-D tensor ``t``, dequantized as the
-    whole tensor is (a row's blocks are its own), in ``dtype``: [len(ids), columns]."""
+    whole tensor is (a row's blocks are its own), in ``dtype``: [len(ids), columns].
+    After a big read (the 8-bit head made slice by slice, a long prompt) the
+    tensor's mapped pages are let go, so they do not add up in resident memory."""
     data = np.asarray(t.data)[ids.reshape(-1).cpu().numpy()]
+    if len(data) >= ROWS_DROP_PAGES:
+        _drop_pages(reader, t)
     array = gguf.quants.dequantize(data, t.tensor_type).reshape(len(data), -1)
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype).reshape(*ids.shape, -1)
 
 
-def _parts6(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int6Parts:
+def _parts6(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int6Parts:
     """Tensor ``t``'s codes of up to 6 bits, rows unpermuted for ``heads`` heads."""
     parts = parts_from_gguf6(t.data, t.tensor_type.name)
     _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.u.shape[0]), heads)) if heads else parts
 
 
-def _parts16(path: Path, t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> W16Parts:
+def _parts16(path: Path, t: GGUFTensor, heads: int, reader: GGUFFile) -> W16Parts:
     """Tensor ``t``'s 16-bit floats (F16 or BF16), rows unpermuted for ``heads`` heads."""
     try:
         parts = parts_from_w16(t.data, t.tensor_type.name)
@@ -214,21 +220,21 @@ def _parts16(path: Path, t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFRead
     return parts.take_rows(unpermute_rows(np.arange(parts.bits.shape[0]), heads)) if heads else parts
 
 
-def _parts8(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int8Parts:
+def _parts8(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int8Parts:
     """Tensor ``t``'s signed 8-bit codes (Q8_0), rows unpermuted for ``heads`` heads."""
     parts = parts_from_q8_0(t.data)
     _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.c.shape[0]), heads)) if heads else parts
 
 
-def _parts(t: gguf.ReaderTensor, heads: int, reader: gguf.GGUFReader) -> Int4Parts:
+def _parts(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int4Parts:
     """Tensor ``t``'s 4-bit codes, rows unpermuted for ``heads`` heads."""
     parts = parts_from_gguf(t.data, t.tensor_type.name)
     _drop_pages(reader, t)
     return parts.take_rows(unpermute_rows(np.arange(parts.q.shape[0]), heads)) if heads else parts
 
 
-def _dense(path: Path, t: gguf.ReaderTensor, heads: int, dtype: torch.dtype, reader: gguf.GGUFReader | None = None) -> torch.Tensor:
+def _dense(path: Path, t: GGUFTensor, heads: int, dtype: torch.dtype, reader: GGUFFile | None = None) -> torch.Tensor:
     """Tensor ``t`` dequantized as the gguf package does it, rows unpermuted
     for ``heads`` heads, in ``dtype``; CheckpointError if not finite. The
     file's pages it read are let go after (``reader``'s mapping)."""
@@ -257,7 +263,17 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
 DEQUANTIZE_SLICE_ROWS = 2048  # rows dequantized at a time: the gguf package's temporaries are several times a slice
 
 
-def tensor_array(t: gguf.ReaderTensor) -> np.ndarray:
+def _check_finite(path: Path, t: GGUFTensor, reader: GGUFFile) -> None:
+    """CheckpointError unless quantized 2-D tensor ``t`` dequantizes to finite
+    numbers; a slice of rows at a time, so no dense copy of the whole exists."""
+    data = np.asarray(t.data)
+    for start in range(0, data.shape[0], DEQUANTIZE_SLICE_ROWS):
+        if not np.isfinite(gguf.quants.dequantize(data[start : start + DEQUANTIZE_SLICE_ROWS], t.tensor_type)).all():
+            raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+    _drop_pages(reader, t)
+
+
+def tensor_array(t: GGUFTensor) -> np.ndarray:
     """A GGUF tensor dequantized to float32, in numpy/torch axis order; a
     quantized matrix slice by slice of rows (the same values: a row's blocks
     are its own), so that a big one's temporaries stay small."""

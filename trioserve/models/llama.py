@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import memory, native
-from trioserve.kernels.int4 import Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
+from trioserve.kernels.int4 import DenseLater, Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.int8w import Int8Parts, concat_rows8
 from trioserve.kernels.w16 import W16Parts, concat_rows16, pack_w16
@@ -145,7 +145,6 @@ class LlamaModel:
             return "int6" if name in int6 else "int8" if name in int8 else "w16" if name in w16 else "dense"
 
         def fused(names: list[str], bias_names: list[str] | None) -> Projection:
-            weight = torch.cat([w(n) for n in names]).contiguous()
             bias = torch.cat([w(n) for n in bias_names]) if bias_names else None
             parts = None
             if kind(names[0]) == "int4":
@@ -156,7 +155,14 @@ class LlamaModel:
                 parts = concat_rows8([int8[n] for n in names])
             elif kind(names[0]) == "w16":
                 parts = concat_rows16([w16[n] for n in names])
-            return self.kernels.projection(weight, bias, parts)
+
+            def dense() -> torch.Tensor:
+                return torch.cat([w(n) for n in names]).contiguous()
+
+            if parts is not None and self.device.type == "cpu" and self.kernels.name != "triton":
+                # Made only if a path reads the dense values (kernels/int4.DenseLater).
+                return self.kernels.projection(DenseLater(parts.shape, self.dtype, self.device, dense), bias, parts)
+            return self.kernels.projection(dense(), bias, parts)
 
         def projection(names: list[str], bias_names: list[str] | None = None) -> Projection | StackedProjection:
             """One matrix from ``names`` stacked by rows (fused projections);
@@ -208,14 +214,21 @@ class LlamaModel:
         # A 16-bit float head (an F16 or BF16 file's, kernels/w16.py) of a model whose layers
         # take no 8-bit codes runs on the file's bits, per row, into float32 logits.
         self.head_w16 = None
-        if not quantized and head_name in w16 and native.w16_supported(config.vocab_size, config.hidden_size):
+        self.head_int8 = None
+        head_rows = (rows or {}).get(head_name)
+        head_shape = (config.vocab_size, config.hidden_size)
+        if not quantized and head_name in w16 and native.w16_supported(*head_shape):
             self.head_w16 = pack_w16(w16[head_name])
-            self.lm_head = torch.empty((config.vocab_size, config.hidden_size), dtype=self.dtype, device="meta")
+            self.lm_head = torch.empty(head_shape, dtype=self.dtype, device="meta")
+        elif quantized and self.device.type == "cpu" and head_rows is not None:
+            # The 8-bit copy made slice by slice from the file's rows: no dense head at any time.
+            self.head_int8 = Int8Rows.from_rows(lambda start, end: head_rows(torch.arange(start, end)), *head_shape)
+            self.lm_head = torch.empty(head_shape, dtype=self.dtype, device="meta")
         else:
             self.lm_head = w(head_name)
-        self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
-        if self.head_int8 is not None and not config.tie_embeddings:
-            self.lm_head = torch.empty(self.lm_head.shape, dtype=self.lm_head.dtype, device="meta")  # the 8-bit copy serves
+            self.head_int8 = Int8Rows(self.lm_head) if quantized and self.device.type == "cpu" else None
+            if self.head_int8 is not None and not config.tie_embeddings:
+                self.lm_head = torch.empty(self.lm_head.shape, dtype=self.lm_head.dtype, device="meta")  # the 8-bit copy serves
         self.embed_rows = None
         source = (rows or {}).get(embed_name)
         if source is not None and self.device.type == "cpu" and (self.head_int8 is not None or self.head_w16 is not None or not config.tie_embeddings):
