@@ -72,6 +72,18 @@ def test_prefix_cache_flag_from_env():
         settings_from_env({"TRIOSERVE_PREFIX_CACHE": "maybe"})
 
 
+def test_kv_huge_pages_from_flag_then_env_then_off():
+    from trioserve.config import kv_huge_pages_setting
+
+    assert settings_from_env({"TRIOSERVE_KV_HUGE_PAGES": "on"}).engine.kv_huge_pages is True
+    assert settings_from_env({}).engine.kv_huge_pages is False
+    assert kv_huge_pages_setting(None, {}) is False
+    assert kv_huge_pages_setting(None, {"TRIOSERVE_KV_HUGE_PAGES": "yes"}) is True
+    assert kv_huge_pages_setting(True, {"TRIOSERVE_KV_HUGE_PAGES": "no"}) is True
+    with pytest.raises(ValueError, match="TRIOSERVE_KV_HUGE_PAGES: must be true or false, got 'big'"):
+        kv_huge_pages_setting(None, {"TRIOSERVE_KV_HUGE_PAGES": "big"})
+
+
 def test_prefix_cache_limit_is_the_fewer_blocks_of_count_and_bytes():
     from trioserve.config import EngineConfig
     from trioserve.engine import prefix_cache_blocks

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, cpu_features_setting, kernels_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, cpu_features_setting, kernels_setting, kv_huge_pages_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -100,7 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
-    srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB)")
+    srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB; resident as it is used)")
+    srv.add_argument(
+        "--kv-huge-pages",
+        action="store_true",
+        default=None,
+        help="put the KV pool on transparent huge pages: faster attention over scattered blocks, but the whole pool is "
+        "resident from the first request (default: $TRIOSERVE_KV_HUGE_PAGES, else off)",
+    )
     srv.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 429 (default 256)")
     srv.add_argument("--prefill-budget", type=_positive_int, default=512, help="tokens per engine step (default 512)")
     srv.add_argument(
@@ -308,6 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_bytes,
+        kv_huge_pages=kv_huge_pages_setting(args.kv_huge_pages, dict(os.environ)),
         max_queue=args.max_queue,
         prefill_budget=args.prefill_budget,
         prefix_cache=not args.no_prefix_cache,

@@ -39,7 +39,10 @@ class EngineConfig:
 
     max_num_seqs: sequences decoded together (rows of a step).
     max_model_len: longest prompt + output; None = the model's context length.
-    kv_cache_bytes: memory for the KV block pool.
+    kv_cache_bytes: memory for the KV block pool (resident as it is used).
+    kv_huge_pages: the pool on transparent huge pages: attention reads
+    scattered blocks faster, but the first request makes the whole pool
+    resident (kernels/memory.py).
     prefill_budget: tokens per step, decode rows and prefill chunks together.
     max_queue: requests waiting for admission before new ones get QueueFull.
     channel_size: bound of each actor's inbox.
@@ -72,6 +75,7 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=32, validator=_positive)
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_bytes: int = attrs.field(default=512 * MIB, validator=_positive)
+    kv_huge_pages: bool = False
     block_size: int = attrs.field(default=16, validator=_positive)
     prefill_budget: int = attrs.field(default=512, validator=_positive)
     max_queue: int = attrs.field(default=256, validator=_positive)
@@ -183,15 +187,24 @@ def _flag(text: str) -> bool:
 def batch_invariant_setting(flag: bool | None, environ: dict[str, str]) -> bool:
     """--batch-invariant / --no-batch-invariant when given, else
     $TRIOSERVE_BATCH_INVARIANT, else on."""
+    return _flag_setting(flag, environ, "TRIOSERVE_BATCH_INVARIANT", attrs.fields(EngineConfig).batch_invariant.default)
+
+
+def kv_huge_pages_setting(flag: bool | None, environ: dict[str, str]) -> bool:
+    """--kv-huge-pages when given, else $TRIOSERVE_KV_HUGE_PAGES, else off."""
+    return _flag_setting(flag, environ, "TRIOSERVE_KV_HUGE_PAGES", attrs.fields(EngineConfig).kv_huge_pages.default)
+
+
+def _flag_setting(flag: bool | None, environ: dict[str, str], var: str, default: bool) -> bool:
     if flag is not None:
         return flag
-    text = environ.get("TRIOSERVE_BATCH_INVARIANT")
+    text = environ.get(var)
     if text is None:
-        return attrs.fields(EngineConfig).batch_invariant.default
+        return default
     try:
         return _flag(text)
     except ValueError as exc:
-        raise ValueError(f"TRIOSERVE_BATCH_INVARIANT: {exc}") from None
+        raise ValueError(f"{var}: {exc}") from None
 
 
 NATIVE_KERNELS_ENV = "TRIOSERVE_NATIVE_KERNELS"
@@ -275,6 +288,7 @@ _ENV = {
     "TRIOSERVE_MAX_NUM_SEQS": ("engine.max_num_seqs", int),
     "TRIOSERVE_MAX_MODEL_LEN": ("engine.max_model_len", int),
     "TRIOSERVE_KV_CACHE_BYTES": ("engine.kv_cache_bytes", parse_byte_size),
+    "TRIOSERVE_KV_HUGE_PAGES": ("engine.kv_huge_pages", _flag),
     "TRIOSERVE_MAX_QUEUE": ("engine.max_queue", int),
     "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
     "TRIOSERVE_PREFIX_CACHE": ("engine.prefix_cache", _flag),

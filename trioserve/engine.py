@@ -11,6 +11,7 @@ its own nursery. Leaving the block cancels them all."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -275,7 +276,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
             f"({model.kv_bytes_per_token() * config.block_size} bytes)",
             field="kv_cache_bytes",
         )
-    cache = await device.run(model.new_kv_cache, num_blocks, config.block_size)
+    cache = await device.run(functools.partial(model.new_kv_cache, num_blocks, config.block_size, huge_pages=config.kv_huge_pages))
     settings = CoreSettings(
         num_blocks=num_blocks,
         block_size=config.block_size,

@@ -73,6 +73,13 @@ def test_a_pool_is_resident_only_where_written():
     assert t[:8].eq(1).all() and not t[8:].any()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_a_pool_is_on_small_pages_unless_asked():
+    t = memory.zeros(((64 << 20) // 2,), dtype=torch.bfloat16)  # 64 MiB
+    t.fill_(1)
+    assert _huge_kib_under(t.data_ptr() + (32 << 20)) == 0 or _thp_mode() == "always"
+
+
 def test_memory_smaller_than_a_huge_page_is_not_advised():
     assert memory.advise_huge_pages(torch.empty(1024)) is False
 
@@ -80,7 +87,7 @@ def test_memory_smaller_than_a_huge_page_is_not_advised():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
 def test_a_big_pool_lies_on_huge_pages_where_the_system_gives_them():
     mode = _thp_mode()
-    t = memory.zeros(((64 << 20) // 2,), dtype=torch.bfloat16)  # 64 MiB
+    t = memory.zeros(((64 << 20) // 2,), dtype=torch.bfloat16, huge_pages=True)  # 64 MiB
     assert not t.any()  # reading maps the shared zero page (no huge pages yet): only a write backs memory
     t.fill_(0)
     huge = _huge_kib_under(t.data_ptr() + (32 << 20))

@@ -1,10 +1,18 @@
-"""The KV pool: resident only where written, on transparent huge pages.
+"""The KV pool: resident only where written; on transparent huge pages
+when asked (`--kv-huge-pages`).
 
 Resident memory: the pool is anonymous memory from the kernel, which is
 zero-filled page by page on first touch, so it is all zeros without being
-written and costs resident memory only for the blocks serving has used,
-as llama.cpp's does for its context. Writing the zeros instead made the
-whole pool (512 MiB by default) resident at start.
+written and costs resident memory only for the blocks serving has used.
+Writing the zeros instead made the whole pool (512 MiB by default)
+resident at start.
+
+Huge pages cost that: the pool is [layers, KV heads, blocks, ...], so one
+sequence's first block touches every (layer, KV head) span of the pool,
+and on 2 MiB pages each touch makes a whole 2 MiB resident: the first
+request made a 1B model's 256 MiB pool wholly resident (bench/README.md,
+"Resident memory"). So they are an option, for a server whose pool fills
+anyway.
 
 Why: decode attention reads a sequence's blocks where they lie, and after
 a while of serving they lie scattered over the whole pool. With 4 KiB
@@ -63,14 +71,15 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return hi > lo and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
 
 
-def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str = "cpu", huge_pages: bool = False) -> torch.Tensor:
     """``torch.zeros``; on the CPU, anonymous memory that becomes resident
-    page by page as it is first written, on huge pages where the system
-    gives them."""
+    page by page as it is first written; with ``huge_pages``, 2 MiB pages
+    where the system gives them."""
     size = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or size < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled by the kernel, lazily
     t = torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps ``region`` alive
-    advise_huge_pages(t)
+    if huge_pages:
+        advise_huge_pages(t)
     return t

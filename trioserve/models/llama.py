@@ -271,12 +271,14 @@ class LlamaModel:
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token_element * self.embed.element_size()
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int, *, huge_pages: bool = False) -> KVCache:
+        """The block pool, resident only where written; ``huge_pages``: on 2 MiB
+        pages (a sequence's blocks lie scattered over the pool; kernels/memory.py)."""
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim)
-        return KVCache(  # on huge pages: a sequence's blocks lie scattered over the pool (kernels/memory.py)
-            k=memory.zeros(shape, dtype=self.dtype, device=self.device),
-            v=memory.zeros(shape, dtype=self.dtype, device=self.device),
+        return KVCache(
+            k=memory.zeros(shape, dtype=self.dtype, device=self.device, huge_pages=huge_pages),
+            v=memory.zeros(shape, dtype=self.dtype, device=self.device, huge_pages=huge_pages),
         )
 
     @torch.inference_mode()
