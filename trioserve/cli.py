@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, cpu_features_setting, kernels_setting, kv_huge_pages_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
+from trioserve.config import ACTIVATION_CHOICES, DTYPE_NAMES, KV_CACHE_DTYPES, EMBEDDING_POOLING, KERNEL_CHOICES, SPECULATIVE_MODES, EngineConfig, activations_setting, batch_invariant_setting, cpu_features_setting, kernels_setting, kv_cache_dtype_setting, kv_huge_pages_setting, native_kernels_setting, parse_byte_size, parse_size_or_auto
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output (default: the model's)")
     srv.add_argument("--kv-cache-bytes", type=_byte_size, default="512MiB", help="KV cache memory, e.g. 512MiB, 2GiB (default 512MiB; resident as it is used)")
+    srv.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the KV pool's dtype: bfloat16 for a float32 model on a CPU halves its memory and the bytes attention "
+        "reads (K and V rounded to bf16 as stored); auto: the weights' dtype (default: $TRIOSERVE_KV_CACHE_DTYPE, else auto)",
+    )
     srv.add_argument(
         "--kv-huge-pages",
         action="store_true",
@@ -316,6 +323,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_bytes,
         kv_huge_pages=kv_huge_pages_setting(args.kv_huge_pages, dict(os.environ)),
+        kv_cache_dtype=args.kv_cache_dtype or kv_cache_dtype_setting(os.environ),
         max_queue=args.max_queue,
         prefill_budget=args.prefill_budget,
         prefix_cache=not args.no_prefix_cache,

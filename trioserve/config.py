@@ -30,6 +30,8 @@ KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (ke
 # 32 (faster, less exact: docs/kernels.md); auto is int8 where its C kernel
 # runs (AVX-512 VNNI), else bf16. The first is the default.
 ACTIVATION_CHOICES = ("auto", "bf16", "int8")
+# The KV pool's dtype: auto is the weights'; a float32 model on a CPU may keep a bfloat16 pool.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 
 
@@ -40,6 +42,9 @@ class EngineConfig:
     max_num_seqs: sequences decoded together (rows of a step).
     max_model_len: longest prompt + output; None = the model's context length.
     kv_cache_bytes: memory for the KV block pool (resident as it is used).
+    kv_cache_dtype: the pool's dtype: "auto" (the weights'), "float32" or
+    "bfloat16" (a float32 model on a CPU may keep a bf16 pool: half the
+    memory and half the bytes attention reads; docs/kernels.md).
     kv_huge_pages: the pool on transparent huge pages: attention reads
     scattered blocks faster, but the first request makes the whole pool
     resident (kernels/memory.py).
@@ -76,6 +81,7 @@ class EngineConfig:
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_bytes: int = attrs.field(default=512 * MIB, validator=_positive)
     kv_huge_pages: bool = False
+    kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     block_size: int = attrs.field(default=16, validator=_positive)
     prefill_budget: int = attrs.field(default=512, validator=_positive)
     max_queue: int = attrs.field(default=256, validator=_positive)
@@ -255,7 +261,7 @@ def _one_of(choices: tuple[str, ...]):
 
 
 _speculative, _kernels, _pooling = _one_of(SPECULATIVE_MODES), _one_of(KERNEL_CHOICES), _one_of(EMBEDDING_POOLING)
-_activations = _one_of(ACTIVATION_CHOICES)
+_activations, _kv_dtype = _one_of(ACTIVATION_CHOICES), _one_of(KV_CACHE_DTYPES)
 
 
 def _choice_setting(environ: Mapping[str, str], var: str, choices: tuple[str, ...]) -> str:
@@ -275,6 +281,11 @@ def kernels_setting(environ: Mapping[str, str]) -> str:
     return _choice_setting(environ, "TRIOSERVE_KERNELS", KERNEL_CHOICES)
 
 
+def kv_cache_dtype_setting(environ: Mapping[str, str]) -> str:
+    """$TRIOSERVE_KV_CACHE_DTYPE, or the default; a bad value is a ValueError naming it."""
+    return _choice_setting(environ, "TRIOSERVE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
+
+
 def activations_setting(environ: Mapping[str, str]) -> str:
     """$TRIOSERVE_ACTIVATIONS, or the default; a bad value is a ValueError naming it."""
     return _choice_setting(environ, "TRIOSERVE_ACTIVATIONS", ACTIVATION_CHOICES)
@@ -289,6 +300,7 @@ _ENV = {
     "TRIOSERVE_MAX_MODEL_LEN": ("engine.max_model_len", int),
     "TRIOSERVE_KV_CACHE_BYTES": ("engine.kv_cache_bytes", parse_byte_size),
     "TRIOSERVE_KV_HUGE_PAGES": ("engine.kv_huge_pages", _flag),
+    "TRIOSERVE_KV_CACHE_DTYPE": ("engine.kv_cache_dtype", _kv_dtype),
     "TRIOSERVE_MAX_QUEUE": ("engine.max_queue", int),
     "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
     "TRIOSERVE_PREFIX_CACHE": ("engine.prefix_cache", _flag),

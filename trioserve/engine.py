@@ -207,6 +207,11 @@ class _EventStream:
         return event
 
 
+def resolve_kv_dtype(name: str) -> torch.dtype | None:
+    """The KV pool's dtype ``name`` means (config.kv_cache_dtype): None for auto (the weights')."""
+    return None if name == "auto" else DTYPES[name]
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """The weights' dtype ``name`` means on ``device``: auto is bfloat16 on
     a GPU, and on a CPU bfloat16 only where it has native bf16 (kernels/cpu.py)."""
@@ -252,7 +257,7 @@ async def open_engine(
             model = await device.run(
                 lambda: LlamaModel.from_checkpoint(
                     checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
-                    kernels=config.kernels, activations=config.activations,
+                    kernels=config.kernels, activations=config.activations, kv_dtype=resolve_kv_dtype(config.kv_cache_dtype),
                 )
             )
         elif model.batch_invariant != config.batch_invariant:
@@ -296,7 +301,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     core = new_core(settings, checkpoint.tokenizer)
     writer = None
     if config.record_dir is not None:
-        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings, model.kernels.activations)
+        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings, model.kernels.activations, model.kv_dtype)
         core = Recording(core, writer)
     worker_send, worker_recv = trio.open_memory_channel[StepRequest](1)
     sampler_send, sampler_recv = trio.open_memory_channel[SampleRequest](1)
@@ -334,6 +339,7 @@ def compute_card(model: LlamaModel) -> dict[str, object]:
     return {
         "device": model.device.type,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
         "kernels": model.kernels.name,
         "cpu_kernels": native.isa() if cpu and model.kernels.name == "native" else None,
         "activations": model.kernels.activations,
@@ -363,10 +369,11 @@ def describe_compute(card: dict[str, object]) -> str:
     """`compute_card` in one line of words."""
     isa = f" ({card['cpu_kernels']})" if card.get("cpu_kernels") else ""
     threads = f", {card['threads']} threads" if card.get("threads") else ""
-    return f"{card['device']}, {card['dtype']}, {card['kernels']} kernels{isa}, {card['activations']} activations{threads}"
+    pool = f" ({card['kv_dtype']} KV pool)" if card.get("kv_dtype", card["dtype"]) != card["dtype"] else ""
+    return f"{card['device']}, {card['dtype']}{pool}, {card['kernels']} kernels{isa}, {card['activations']} activations{threads}"
 
 
-def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, activations: str) -> TraceWriter:
+def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, activations: str, kv_dtype: torch.dtype) -> TraceWriter:
     """A new trace file in config.record_dir, its header written (blocking:
     hashes the checkpoint). ``activations``: what the model runs (a model
     handed to the engine may not have the config's)."""
@@ -381,6 +388,7 @@ def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSett
             **attrs.asdict(config),
             "dtype": str(checkpoint.weights["model.embed_tokens.weight"].dtype).removeprefix("torch."),
             "activations": activations,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         },
         vocab_size=checkpoint.tokenizer.vocab_size,
     )

@@ -548,7 +548,8 @@ async def test_health_and_metrics(server):
             assert before["batch_invariant"] is True  # the default
             assert before["activations"] == "bf16"  # auto, for a checkpoint without 4-bit codes (test_session_kv: one with them)
             # How the model computes (also the start-up line and the model card): tests/test_cpu_levels.py checks each field.
-            assert set(before["compute"]) == {"device", "dtype", "kernels", "cpu_kernels", "activations", "threads", "weights"}
+            assert set(before["compute"]) == {"device", "dtype", "kv_dtype", "kernels", "cpu_kernels", "activations", "threads", "weights"}
+            assert before["compute"]["kv_dtype"] == before["compute"]["dtype"]  # auto: the weights' dtype
             assert set(before["compute"]["weights"]) == {"layers", "head"}
             assert before["compute"]["device"] == "cpu" and before["compute"]["activations"] == before["activations"]
             for key in ("queue_wait", "ttft", "inter_token", "end_to_end"):

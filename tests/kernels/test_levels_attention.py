@@ -30,11 +30,15 @@ def _levels(monkeypatch, candidates) -> list[str]:
     return runs
 
 
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16], ids=["fp32-pool", "bf16-pool"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 32), (12, 1, 64, 16)])
-def test_float32_attention_is_the_same_bits_at_every_avx2_level(monkeypatch, heads, kv_heads, dim, block_size):
+def test_float32_attention_is_the_same_bits_at_every_avx2_level(monkeypatch, heads, kv_heads, dim, block_size, pool):
+    """Float32 queries over a float32 pool, or over a bf16 one (a float32
+    model's `--kv-cache-dtype bfloat16`)."""
     levels = _levels(monkeypatch, ("native", "avx2-vnni", "avx2"))
     gen = torch.Generator().manual_seed(heads * dim)
     q, k, v, chunks = _case(gen, seqs=7, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=torch.float32)
+    k, v = k.to(pool), v.to(pool)
     g = build_step(chunks, block_size).groups[0]
     outs = {}
     for level in levels:

@@ -255,7 +255,7 @@ def model_runner(head: dict, source) -> StepRunner:
     batch-invariant arithmetic)."""
     from trioserve.actors.sampler import sample_step  # noqa: PLC0415 - heavy imports, only in model mode
     from trioserve.actors.worker import forward_step  # noqa: PLC0415
-    from trioserve.engine import resolve_dtype  # noqa: PLC0415
+    from trioserve.engine import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415
     from trioserve.models.checkpoint import load_checkpoint  # noqa: PLC0415
     from trioserve.models.guided import GuideCompiler  # noqa: PLC0415
     from trioserve.models.llama import LlamaModel  # noqa: PLC0415
@@ -267,7 +267,7 @@ def model_runner(head: dict, source) -> StepRunner:
     invariant = bool(engine.get("batch_invariant", False))
     model = LlamaModel.from_checkpoint(
         checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto"),
-        activations=engine.get("activations", "bf16"),
+        activations=engine.get("activations", "bf16"), kv_dtype=resolve_kv_dtype(engine.get("kv_cache_dtype", "auto")),
     )  # fmt: skip
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
     guides = GuideCompiler(checkpoint.tokenizer)

@@ -135,7 +135,7 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
         return None
     fn = lib.trioserve_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn = lib.trioserve_rms_norm
     fn.restype = None
     fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -147,7 +147,7 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn.argtypes = [_ptr] * 2 + [_i64] * 2 + [ctypes.c_int]
     fn = lib.trioserve_rope_write_kv
     fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_int]
+    fn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_int, ctypes.c_int]
     lib.trioserve_int4_available.restype = ctypes.c_int
     lib.trioserve_int4_available.argtypes = []
     lib.trioserve_int8_available.restype = ctypes.c_int
@@ -199,6 +199,18 @@ def _lib(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("native kernels are not available")
     return lib
+
+
+def _pool_kinds(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *others: torch.Tensor) -> tuple[int, int]:
+    """(x's kind, the pool's kind): 1 for bfloat16, 0 for float32. The pool
+    is one dtype; a float32 ``x`` may read or write a bfloat16 pool (a
+    float32 model with a 16-bit KV pool), a bfloat16 one needs a bfloat16
+    pool. Else RuntimeError."""
+    pool = _float_kind(k_cache, v_cache)
+    kind = _float_kind(x, *others)
+    if kind and not pool:
+        raise RuntimeError(f"native kernels take a bfloat16 pool with bfloat16 rows, got {k_cache.dtype}")
+    return kind, pool
 
 
 def _float_kind(*tensors: torch.Tensor) -> int:
@@ -298,18 +310,20 @@ def rope_write_kv(
     q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
     if checked:
         qkv = qkv.contiguous()
-        kind = _float_kind(qkv, q, k_cache, v_cache)
+        kind, pool = _pool_kinds(qkv, k_cache, v_cache, q)
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             raise RuntimeError("rope_write_kv takes contiguous fp32 cos and sin tables")
         positions = positions.to(torch.int64).contiguous()
         slots = slots.to(torch.int64).contiguous()
     else:
-        kind = int(qkv.dtype == torch.bfloat16)
+        kind, pool = int(qkv.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16)
     num_slots = k_cache.shape[1] * k_cache.shape[2]
     code = lib.trioserve_rope_write_kv(
         qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slots.data_ptr(), rows, slots.shape[0], heads, kv_heads, dim, cos.shape[0], num_slots, kind,
+        v_cache.data_ptr(), slots.data_ptr(), rows, slots.shape[0], heads, kv_heads, dim, cos.shape[0], num_slots, kind, pool,
     )  # fmt: skip
+    if code == 1:
+        raise RuntimeError("rope_write_kv: bfloat16 rows need a bfloat16 pool")
     if code:
         raise RuntimeError("rope_write_kv: a position or slot is out of range")
     return q
@@ -332,7 +346,7 @@ def decode_attention(
     read through ``block_tables`` where they lie.
 
     q [R, H, D]; k_cache, v_cache [KVH, NB, BS, D] (q's dtype: bfloat16 or
-    float32, CPU); block_tables [S, MB] and lengths [R] int64. Row r reads
+    float32, CPU; or a bfloat16 pool for float32 queries); block_tables [S, MB] and lengths [R] int64. Row r reads
     table row r (decode rows: one token per sequence, S = R), or row
     ``row_seq[r]`` when given (prompt rows: a chunk's tokens share their
     sequence's table, each attending to keys up to its own position).
@@ -347,7 +361,7 @@ def decode_attention(
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     if checked:
         q = q.contiguous()
-        kind = _float_kind(q, k_cache, v_cache)
+        kind, pool = _pool_kinds(q, k_cache, v_cache)
         tables = block_tables.to(torch.int64).contiguous()
         lens = lengths.to(torch.int64).contiguous()
         if row_seq is not None:
@@ -355,13 +369,13 @@ def decode_attention(
         if lens.shape != (rows,) or (row_seq is not None and row_seq.shape != (rows,)):
             raise RuntimeError(f"decode_attention: {rows} query rows need {rows} lengths (and table rows), got {tuple(lens.shape)}")
     else:
-        kind, tables, lens = int(q.dtype == torch.bfloat16), block_tables, lengths
+        kind, pool, tables, lens = int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16), block_tables, lengths
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
     code = lib.trioserve_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         None if row_seq is None else row_seq.data_ptr(), lens.data_ptr(), out.data_ptr(),
         rows, tables.shape[0], heads, kv_heads, num_blocks, block_size, dim, tables.shape[1],
-        scale, kind, threads or torch.get_num_threads(),
+        scale, kind, pool, threads or torch.get_num_threads(),
     )  # fmt: skip
     if code == 1:
         raise RuntimeError(f"decode_attention does not take head dim {dim} with {heads} heads over {kv_heads} KV heads")

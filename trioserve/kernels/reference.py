@@ -37,8 +37,9 @@ def write_kv(
 ) -> None:
     """Store each token's K and V [T, KVH, D] at its slot, in place."""
     kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    # A float32 model's bf16 pool: rounded to nearest even as stored (the C kernel's rounding).
+    k_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_attention(
@@ -85,6 +86,8 @@ def paged_attention(
     k_out, v_out = gather_into if gather_into is not None else (None, None)
     keys = _gather_blocks(k_cache, block_tables, k_out)
     values = _gather_blocks(v_cache, block_tables, v_out)
+    if keys.dtype != q.dtype:  # a bf16 pool under float32 queries: widened exactly
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     if flash is None:
         flash = max_q >= SDPA_MIN_QUERIES
     if fixed:

@@ -91,6 +91,7 @@ class LlamaModel:
         int6: Mapping[str, Int6Parts] | None = None,
         int8: Mapping[str, Int8Parts] | None = None,
         w16: Mapping[str, W16Parts] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -109,11 +110,24 @@ class LlamaModel:
         made row by row where it can be). ``int6``: Checkpoint.int6, codes of
         up to 6 bits, and ``int8``: Checkpoint.int8, signed 8-bit codes (Q8_0),
         run with int8 activations (else those weights run dense). ``w16``:
-        Checkpoint.w16, F16/BF16 matrices kept in the file's 16 bits (on a CPU)."""
+        Checkpoint.w16, F16/BF16 matrices kept in the file's 16 bits (on a CPU).
+        ``kv_dtype``: the KV pool's dtype (default: the weights'); a float32
+        model on a CPU may keep a bfloat16 pool: half the memory and half
+        the bytes attention reads, K and V rounded to bf16 as they are
+        stored (what a bf16 model's pool holds)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.dtype = getattr(weights, "dtype", None) or weights["model.embed_tokens.weight"].dtype
+        self.kv_dtype = kv_dtype or self.dtype
+        if self.kv_dtype != self.dtype and not (
+            self.dtype == torch.float32 and self.kv_dtype == torch.bfloat16 and self.device.type == "cpu" and kernels != "triton"
+        ):
+            raise ValueError(
+                f"--kv-cache-dtype {str(self.kv_dtype).removeprefix('torch.')}: the weights are {str(self.dtype).removeprefix('torch.')} "
+                f"on {self.device.type}; only float32 weights on a CPU may keep a pool of another dtype (bfloat16). "
+                "Use --kv-cache-dtype auto"
+            )
         int4 = int4 or {}
         if not int4 and not int6 and not int8 and activations != "bf16":
             # No 4-bit (or 5-6-bit) codes, so no row would take int8 inputs; a trace, /metrics and
@@ -258,18 +272,19 @@ class LlamaModel:
         batch_invariant: bool = False,
         kernels: str = "auto",
         activations: str = "auto",
+        kv_dtype: torch.dtype | None = None,
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
         model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
             activations=activations, rows=checkpoint.rows, int6=checkpoint.int6 if use_int4 else None,
-            int8=checkpoint.int8 if use_int4 else None, w16=checkpoint.w16 if use_int4 else None,
+            int8=checkpoint.int8 if use_int4 else None, w16=checkpoint.w16 if use_int4 else None, kv_dtype=kv_dtype,
         )  # fmt: skip
         checkpoint.drop_file_pages()
         return model
 
     def kv_bytes_per_token(self) -> int:
-        return self.config.kv_bytes_per_token_element * self.embed.element_size()
+        return self.config.kv_bytes_per_token_element * self.kv_dtype.itemsize
 
     def new_kv_cache(self, num_blocks: int, block_size: int, *, huge_pages: bool = False) -> KVCache:
         """The block pool, resident only where written; ``huge_pages``: on 2 MiB
@@ -277,8 +292,8 @@ class LlamaModel:
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim)
         return KVCache(
-            k=memory.zeros(shape, dtype=self.dtype, device=self.device, huge_pages=huge_pages),
-            v=memory.zeros(shape, dtype=self.dtype, device=self.device, huge_pages=huge_pages),
+            k=memory.zeros(shape, dtype=self.kv_dtype, device=self.device, huge_pages=huge_pages),
+            v=memory.zeros(shape, dtype=self.kv_dtype, device=self.device, huge_pages=huge_pages),
         )
 
     @torch.inference_mode()

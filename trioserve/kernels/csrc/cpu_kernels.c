@@ -101,7 +101,8 @@ typedef struct {
     float *out;
     int64_t heads, kv_heads, num_blocks, block_size, dim, max_blocks;
     float scale;
-    int bf16;
+    int bf16;    /* the queries: bf16, else fp32 */
+    int kv_bf16; /* the pool: bf16, else fp32 (a float32 model may keep a bf16 pool) */
 } Job;
 
 static inline float load(const void *base, int64_t i, int bf16) {
@@ -248,7 +249,7 @@ static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, i
  * for the common shapes dim and group are constants and the compiler keeps
  * the accumulators in vector registers. */
 static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const Job *job, int64_t item, float *scores, const int64_t dim,
-                                                           const int64_t group, const int bf16) {
+                                                           const int64_t group, const int bf16, const int kv_bf16) {
     const int64_t bs = job->block_size;
     const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
     const int64_t len = job->lens[s];
@@ -258,7 +259,7 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
         for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
     for (int64_t t = 0; t < len; t++) {
         const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
-        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->k, at + d, bf16);
+        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->k, at + d, kv_bf16);
         for (int64_t j = 0; j < group; j++) {
             float lanes[LANES] = {0};
             for (int64_t d0 = 0; d0 < dim; d0 += LANES)
@@ -271,7 +272,7 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
         for (int64_t d = 0; d < dim; d++) acc[j][d] = 0.0f;
     for (int64_t t = 0; t < len; t++) {
         const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
-        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->v, at + d, bf16);
+        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->v, at + d, kv_bf16);
         for (int64_t j = 0; j < group; j++) {
             const float p = scores[j * len + t];
             for (int64_t d = 0; d < dim; d++) acc[j][d] += p * kf[d];
@@ -297,7 +298,7 @@ static inline __m256 kv8(const void *base, int64_t at, const int bf16) {
 
 static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(const Job *job, int64_t item, float *scores,
                                                                             const int64_t dim, const int64_t group,
-                                                                            const int bf16) {
+                                                                            const int bf16, const int kv_bf16) {
     const int64_t bs = job->block_size;
     const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
     const int64_t len = job->lens[s];
@@ -313,8 +314,8 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
             for (int64_t j = 0; j < group; j++) {
                 __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
                 for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
-                    lo = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + d0), kv8(job->k, at + d0, bf16), lo);
-                    hi = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + d0 + 8), kv8(job->k, at + d0 + 8, bf16), hi);
+                    lo = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + d0), kv8(job->k, at + d0, kv_bf16), lo);
+                    hi = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + d0 + 8), kv8(job->k, at + d0 + 8, kv_bf16), hi);
                 }
                 const __m256 s8 = _mm256_add_ps(lo, hi);
                 const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -333,8 +334,8 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
             const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim + d0;
             const int64_t end = len - t0 < bs ? len - t0 : bs;
             for (int64_t u = 0; u < end; u++) {
-                const __m256 v0 = kv8(job->v, base + u * dim, bf16);
-                const __m256 v1 = width == 16 ? kv8(job->v, base + u * dim + 8, bf16) : v0;
+                const __m256 v0 = kv8(job->v, base + u * dim, kv_bf16);
+                const __m256 v1 = width == 16 ? kv8(job->v, base + u * dim + 8, kv_bf16) : v0;
                 for (int64_t j = 0; j < group; j++) {
                     const __m256 p = _mm256_set1_ps(scores[j * len + t0 + u]);
                     acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);
@@ -520,8 +521,9 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
 #endif
 #define CASE(D, G)                                                                  \
     if (dim == D && group == G) {                                                   \
-        if (job->bf16) ITEM_BODY(job, item, scores, D, G, 1);                        \
-        else ITEM_BODY(job, item, scores, D, G, 0);                                  \
+        if (job->bf16) ITEM_BODY(job, item, scores, D, G, 1, 1);                     \
+        else if (job->kv_bf16) ITEM_BODY(job, item, scores, D, G, 0, 1);             \
+        else ITEM_BODY(job, item, scores, D, G, 0, 0);                               \
         return;                                                                     \
     }
 
@@ -529,8 +531,9 @@ static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores)
     const int64_t dim = job->dim, group = job->heads / job->kv_heads;
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
-    if (job->bf16) ITEM_BODY(job, item, scores, dim, group, 1);
-    else ITEM_BODY(job, item, scores, dim, group, 0);
+    if (job->bf16) ITEM_BODY(job, item, scores, dim, group, 1, 1);
+    else if (job->kv_bf16) ITEM_BODY(job, item, scores, dim, group, 0, 1);
+    else ITEM_BODY(job, item, scores, dim, group, 0, 0);
 }
 
 /* Attention of query rows to cached keys and values, read where they lie
@@ -541,7 +544,8 @@ static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores)
  *
  * Layouts (all contiguous, row-major):
  *   q        [R, H, D]            the rows' queries (after RoPE)
- *   k, v     [KVH, NB, BS, D]     one layer of the block pool
+ *   k, v     [KVH, NB, BS, D]     one layer of the block pool (bf16 when kv_bf16: a
+ *                                 float32 model's pool may be bf16; bf16 queries need one)
  *   tables   [S, MB] int64        block ids per sequence (padded entries unread)
  *   row_seq  [R] int64 or NULL    each row's table
  *   lens     [R] int64            keys each row attends to
@@ -568,10 +572,11 @@ static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores)
 int trioserve_decode_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *row_seq,
                                const int64_t *lens, float *out, int64_t rows, int64_t num_tables, int64_t heads,
                                int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t dim, int64_t max_blocks,
-                               float scale, int bf16, int threads) {
+                               float scale, int bf16, int kv_bf16, int threads) {
     if (dim % LANES || dim > LANES * 16 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP)
         return 1;
-    const Job job = {q, k, v, tables, lens, row_seq, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale, bf16};
+    if (bf16 && !kv_bf16) return 1; /* bf16 queries read a bf16 pool */
+    const Job job = {q, k, v, tables, lens, row_seq, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale, bf16, kv_bf16};
     int64_t most = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) { /* nothing is read outside the pool */
         if (row_seq && (row_seq[r] < 0 || row_seq[r] >= num_tables)) return 3;
@@ -789,29 +794,32 @@ void trioserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t f, int 
 
 /* One head of one row: x1 c - x2 s and x2 c + x1 s in fp32, rounded once. */
 static inline __attribute__((always_inline)) void rotate(const void *src, int64_t in, void *dst, int64_t at, const float *c,
-                                                        const float *sn, int64_t half, const int bf16) {
+                                                        const float *sn, int64_t half, const int bf16, const int out_bf16) {
     for (int64_t i = 0; i < half; i++) {
         const float x1 = load(src, in + i, bf16), x2 = load(src, in + half + i, bf16);
         const float a = x1 * c[i], b = x2 * sn[i], e = x2 * c[i], f = x1 * sn[i];
-        store(dst, at + i, a - b, bf16);
-        store(dst, at + half + i, e + f, bf16);
+        store(dst, at + i, a - b, out_bf16);
+        store(dst, at + half + i, e + f, out_bf16);
     }
 }
 
 static inline __attribute__((always_inline)) void rope_row(const void *qkv, const int64_t *positions, const float *cos,
                                                           const float *sin, void *q_out, void *k_cache, void *v_cache,
                                                           const int64_t *slots, int64_t t, int64_t real, int64_t heads,
-                                                          int64_t kv_heads, int64_t dim, int64_t num_slots, const int bf16) {
+                                                          int64_t kv_heads, int64_t dim, int64_t num_slots, const int bf16,
+                                                          const int kv_bf16) {
     const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
     const float *c = cos + positions[t] * half, *sn = sin + positions[t] * half;
-    for (int64_t h = 0; h < heads; h++) rotate(qkv, t * width + h * dim, q_out, (t * heads + h) * dim, c, sn, half, bf16);
+    for (int64_t h = 0; h < heads; h++) rotate(qkv, t * width + h * dim, q_out, (t * heads + h) * dim, c, sn, half, bf16, bf16);
     if (t >= real) return; /* a pad row: its k and v are never stored */
     for (int64_t h = 0; h < kv_heads; h++) {
         const int64_t at = (h * num_slots + slots[t]) * dim;
-        rotate(qkv, t * width + (heads + h) * dim, k_cache, at, c, sn, half, bf16);
+        rotate(qkv, t * width + (heads + h) * dim, k_cache, at, c, sn, half, bf16, kv_bf16);
         const int64_t in = t * width + (heads + kv_heads + h) * dim;
         if (bf16) memcpy((uint16_t *)v_cache + at, (const uint16_t *)qkv + in, (size_t)dim * 2);
-        else memcpy((float *)v_cache + at, (const float *)qkv + in, (size_t)dim * 4);
+        else if (!kv_bf16) memcpy((float *)v_cache + at, (const float *)qkv + in, (size_t)dim * 4);
+        else
+            for (int64_t i = 0; i < dim; i++) ((uint16_t *)v_cache)[at + i] = float_to_bf16(((const float *)qkv)[in + i]);
     }
 }
 
@@ -820,19 +828,23 @@ static inline __attribute__((always_inline)) void rope_row(const void *qkv, cons
  * fp32 at the row's position, computed as the torch twin does (with no
  * fused multiply-adds: the same bits). Writes the rotated q to
  * q_out [rows, H, D]; for the first `real` rows, the rotated k and the v to
- * the pool k_cache, v_cache [KVH, NB * BS, D] at slots[t]. Returns 3 when a
- * position or slot is out of range, else 0. */
+ * the pool k_cache, v_cache [KVH, NB * BS, D] at slots[t], in bf16 when
+ * kv_bf16 (fp32 rows rounded to nearest even, as torch casts; a bf16 qkv
+ * needs a bf16 pool). Returns 3 when a position or slot is out of range,
+ * 1 for a bf16 qkv with an fp32 pool, else 0. */
 int trioserve_rope_write_kv(const void *qkv, const int64_t *positions, const float *cos, const float *sin, void *q_out,
                             void *k_cache, void *v_cache, const int64_t *slots, int64_t rows, int64_t real, int64_t heads,
-                            int64_t kv_heads, int64_t dim, int64_t max_position, int64_t num_slots, int bf16) {
+                            int64_t kv_heads, int64_t dim, int64_t max_position, int64_t num_slots, int bf16, int kv_bf16) {
+    if (bf16 && !kv_bf16) return 1;
     for (int64_t t = 0; t < rows; t++) {
         if (positions[t] < 0 || positions[t] >= max_position) return 3;
         if (t < real && (slots[t] < 0 || slots[t] >= num_slots)) return 3;
     }
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t t = 0; t < rows; t++) {
-        if (bf16) rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 1);
-        else rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 0);
+        if (bf16) rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 1, 1);
+        else if (kv_bf16) rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 0, 1);
+        else rope_row(qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, t, real, heads, kv_heads, dim, num_slots, 0, 0);
     }
     return 0;
 }
