@@ -176,11 +176,15 @@ class WrappedModel:
     def dtype(self):
         return self.inner.dtype
 
+    @property
+    def kv_dtype(self):
+        return self.inner.kv_dtype
+
     def kv_bytes_per_token(self) -> int:
         return self.inner.kv_bytes_per_token()
 
-    def new_kv_cache(self, num_blocks: int, block_size: int):
-        return self.inner.new_kv_cache(num_blocks, block_size)
+    def new_kv_cache(self, num_blocks: int, block_size: int, **options):
+        return self.inner.new_kv_cache(num_blocks, block_size, **options)
 
     @property
     def layouts(self) -> list[list[tuple[int, int]]]:
