@@ -1,6 +1,6 @@
 /* Runs one of the C kernels built for 64-bit ARM (under qemu-user in the
  * tests: tests/kernels/test_neon.py). Reads a job file: int64 kind
- * (1 int4_q8_matmul, 2 int6_q8_matmul, 3 int8_matmul, 4 int8_q8_matmul, 5 w16_matmul
+ * (1 int4_q8_matmul, 2 int6_q8_matmul, 3 int8_matmul, 4 int8_q8_matmul, 5 w16_matmul, 6 int6s_q8_matmul
  * on F16), rows, n, k, the
  * packed bytes' count, the scales' byte count; then the packed bytes, the
  * scales and x (rows x k fp32). Writes out (rows x n fp32), then the
@@ -31,6 +31,7 @@ int main(int argc, char **argv) {
     if (kind == 3) code = trioserve_int8_matmul(packed, scales, x, out, rows, n, k, 0, 1);
     if (kind == 5) code = trioserve_w16_matmul(packed, x, out, rows, n, k, 0, 0, 0, 1);
     if (kind == 4) code = trioserve_int8_q8_matmul(packed, scales, x, out, rows, n, k, 0, 0, 1);
+    if (kind == 6) code = trioserve_int6s_q8_matmul(packed, scales, x, out, rows, n, k, 0, 0, 1);
     if (code) return 10 + code;
     FILE *o = fopen(argv[2], "wb");
     if (!o || fwrite(out, sizeof(float), (size_t)(rows * n), o) != (size_t)(rows * n)) return 4;

@@ -83,6 +83,42 @@ def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(qtype, ro
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
 
 
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_1"])
+def test_the_pack_holds_6_bits_a_code_and_d_alone_for_a_symmetric_weight(qtype, monkeypatch):
+    """The codes take 6 bits each (384 bytes a tile of 16 outputs and block of
+    32 inputs) and unpack to the parts' codes; Q6_K (m = -32 d) keeps d alone,
+    and the kernel gives the same bits from that pack as from one that keeps
+    m too (m = -32 d made in a register is exact)."""
+    parts = parts_from_gguf6(_raw(qtype, 48, 512, seed=9), qtype)
+    pack = pack_int6_q8(parts)
+    n, k = parts.u.shape
+    assert pack.packed.numel() == n * k * 3 // 4
+    assert pack.symmetric == (qtype == "Q6_K")
+    assert pack.scales.numel() == (1 if pack.symmetric else 2) * n * k // 16
+    planes = pack.packed.numpy().reshape(-1, 2, 3, 16, 4)  # (group, block, tile), half, plane, column, e
+    u = np.empty((planes.shape[0], 2, 4, 16, 4), np.uint8)
+    u[:, :, 0] = (planes[:, :, 0] & 15) | ((planes[:, :, 2] & 3) << 4)
+    u[:, :, 1] = (planes[:, :, 0] >> 4) | (((planes[:, :, 2] >> 2) & 3) << 4)
+    u[:, :, 2] = (planes[:, :, 1] & 15) | (((planes[:, :, 2] >> 4) & 3) << 4)
+    u[:, :, 3] = (planes[:, :, 1] >> 4) | ((planes[:, :, 2] >> 6) << 4)
+    # Tile groups of three (48 outputs: one group), block by block, tile by tile.
+    codes = u.reshape(k // 32, 3, 2, 4, 16, 4).transpose(1, 4, 0, 2, 3, 5).reshape(n, k)
+    assert np.array_equal(codes, parts.u.numpy())
+    if qtype != "Q6_K":
+        with pytest.raises(ValueError, match="needs m = -32 d"):
+            pack_int6_q8(parts, symmetric=True)
+        return
+    levels = _levels(monkeypatch)
+    if not levels:
+        pytest.skip("no 6-bit kernel here (no AVX2 or AVX-512 VNNI, or no C compiler)")
+    wide = pack_int6_q8(parts, symmetric=False)
+    assert not wide.symmetric and wide.scales.numel() == 2 * n * k // 16
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3)) * 3
+    for level in levels:
+        monkeypatch.setenv(CPU_FEATURES_ENV, level)
+        assert torch.equal(native.int6_q8_matmul(pack, x), native.int6_q8_matmul(wide, x)), level
+
+
 def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
     parts = parts_from_gguf6(_raw("Q5_0", 24, 64, seed=2), "Q5_0")
     with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs, got 24 x 64"):

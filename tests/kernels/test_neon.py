@@ -20,6 +20,7 @@ import torch
 
 from trioserve.kernels import native
 from trioserve.kernels.int4 import parts_from_gguf
+from tests.kernels.test_int6 import _raw as _raw6
 from trioserve.kernels.int6 import pack_int6_q8, parts_from_gguf6
 from trioserve.kernels.int8w import pack_int8_q8, parts_from_q8_0
 from trioserve.kernels.w16 import pack_w16, parts_from_w16
@@ -80,6 +81,11 @@ def test_the_arm_kernels_give_this_cpus_bits(harness, tmp_path, rows):
     pack6 = pack_int6_q8(parts_from_gguf6(gguf.quants.quantize(w, Q.Q5_1), "Q5_1"))
     arm, _ = _run(harness, tmp_path, 2, pack6.packed, pack6.scales, x, 80)
     assert torch.equal(arm, native.int6_q8_matmul(pack6, x))
+    # 6 bits, symmetric (Q6_K: d alone among the scales)
+    pack6s = pack_int6_q8(parts_from_gguf6(_raw6("Q6_K", 80, 256, seed=rows), "Q6_K"))
+    assert pack6s.symmetric
+    arm, _ = _run(harness, tmp_path, 6, pack6s.packed, pack6s.scales, x, 80)
+    assert torch.equal(arm, native.int6_q8_matmul(pack6s, x))
     # signed 8-bit codes (Q8_0)
     pack8 = pack_int8_q8(parts_from_q8_0(gguf.quants.quantize(w, Q.Q8_0)))
     arm, _ = _run(harness, tmp_path, 4, pack8.packed, pack8.scales, x, 80)

@@ -101,27 +101,48 @@ def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
 
 @attrs.frozen
 class Int6Pack:
-    """A weight in `int6_q8_matmul`'s layout (drawn in the C source)."""
+    """A weight in `int6_q8_matmul`'s layout (drawn in the C source): codes
+    6 bits each; ``symmetric`` (Q6_K: m = -32 d in every group) keeps d
+    alone among the scales."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
+    symmetric: bool = False
 
 
-def pack_int6_q8(parts: Int6Parts) -> Int6Pack:
+def pack_int6_q8(parts: Int6Parts, *, symmetric: bool | None = None) -> Int6Pack:
+    """``parts`` in the kernel's layout; ``symmetric``: whether to keep d
+    alone (default: where m = -32 d in every group; False keeps m as well)."""
     u = parts.u.numpy()
     n, k = u.shape
     if n % 16 or k % 32:
         raise ValueError(f"int6_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
     nb = k // 32
-    codes = u.reshape(n // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
-    both = np.stack([parts.d.numpy(), parts.m.numpy()]).astype(np.float16)  # which, n, k/16
-    both = both.reshape(2, n // 16, 16, nb, 2).transpose(1, 3, 4, 0, 2)  # tile, block, half, which, column
+    q = u.reshape(n // 16, 16, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)  # tile, block, half, quad, column, e
+    planes = np.stack(
+        [
+            (q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4),
+            (q[:, :, :, 2] & 15) | ((q[:, :, :, 3] & 15) << 4),
+            (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | ((q[:, :, :, 3] >> 4) << 6),
+        ],
+        axis=3,
+    ).astype(np.uint8)  # tile, block, half, plane, column, e: 384 bytes a tile and block
+    d, m = parts.d.numpy(), parts.m.numpy()
+    exact = bool(np.array_equal(m, np.float32(-32.0) * d))
+    if symmetric and not exact:
+        raise ValueError("a symmetric 6-bit pack needs m = -32 d in every group")
+    symmetric = exact if symmetric is None else symmetric
+    which = [d] if symmetric else [d, m]
+    both = np.stack(which).astype(np.float16)  # which, n, k/16
+    both = both.reshape(len(which), n // 16, 16, nb, 2).transpose(1, 3, 4, 0, 2)  # tile, block, half, which, column
     groups = range(0, n // 16, TILE_GROUPS)
-    packed = np.concatenate([codes[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
+    packed = np.concatenate([planes[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4, 5).reshape(-1) for t in groups])
     scales = np.concatenate([both[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
-    return Int6Pack(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k)
+    return Int6Pack(
+        torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k, symmetric
+    )
 
 
 def sums16(x: torch.Tensor) -> torch.Tensor:

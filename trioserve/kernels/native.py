@@ -168,6 +168,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_int6_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
+    fn = lib.trioserve_int6s_q8_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 3
     lib.trioserve_int8_q8_available.restype = ctypes.c_int
     lib.trioserve_int8_q8_available.argtypes = []
     fn = lib.trioserve_int8_q8_matmul
@@ -488,7 +491,7 @@ def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked
     weight transposed, each row's inputs rounded to 8 bits per block of 32
     (the C source says how; its twin is kernels/int6.py `int6_q8_matmul`):
     [R, N] in x's dtype, each row's result from that row alone."""
-    return _int4_call("int6_q8_matmul", pack, x, threads, checked, lib)
+    return _int4_call("int6s_q8_matmul" if pack.symmetric else "int6_q8_matmul", pack, x, threads, checked, lib)
 
 
 def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:

@@ -1691,11 +1691,23 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
  *
  * Layout (kernels/int6.py `pack_int6_q8`): tiles of 16 outputs in groups of
  * three (the last may hold fewer); for group g of T tiles, block b (32
- * inputs), tile t, quad j (inputs 4j .. 4j + 3 of the block):
- *   packed [g][K/32][T][8][16][4] bytes (512 a tile and block)
- *   scales [g][K/32][T][4][16] f16: d of inputs 0-15, m of 0-15, d of 16-31, m of 16-31 */
+ * inputs), tile t, half h (inputs 16h .. 16h + 15), the codes of quads
+ * j = 0..3 (inputs 16h + 4j .. 16h + 4j + 3) as 6 bits each, 384 bytes a
+ * tile and block (the file's 6 bits a code, not a byte):
+ *   packed [g][K/32][T][2][3][16][4] bytes: per half, plane 0 holds quad 0's
+ *          low 4 bits in the low nibble and quad 1's in the high one, plane
+ *          1 quads 2 and 3 alike, plane 2 the top 2 bits of quads 0, 1, 2, 3
+ *          in bits 0-1, 2-3, 4-5, 6-7 (column i, input e of the quad at
+ *          [i][e] in each plane);
+ *   scales [g][K/32][T][4][16] f16: d of inputs 0-15, m of 0-15, d of 16-31, m of 16-31;
+ *          or, for a symmetric weight (Q6_K: m = -32 d in every group,
+ *          `trioserve_int6s_q8_matmul`), [g][K/32][T][2][16]: d of 0-15, d of
+ *          16-31, and m = -32 d made in a register (exact: a power of two).
+ * Unpacking is bit masks and shifts, so every build sums the same codes. */
 #define I6_BLOCK 32
-#define I6_TILE_BLOCK 512
+#define I6_TILE_BLOCK 384
+#define I6_HALF 192
+#define I8_TILE_BLOCK 512
 #define I6_TILES 3
 #define I6_ROWS 4
 
@@ -1712,10 +1724,17 @@ static inline void i6_sums16(const uint16_t *src, float *out) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define I6_WIDE 1
+/* Quad j's codes of a half: `low` its plane (0 or 1), `top` plane 2. Shifts
+ * are 16-bit (there are no byte shifts); the masks drop what crossed a byte. */
+static inline __attribute__((always_inline)) __m512i six16(__m512i low, __m512i top, const int j) {
+    const __m512i lo = (j & 1) ? _mm512_srli_epi16(low, 4) : low;
+    const __m512i hi = j == 0 ? _mm512_slli_epi16(top, 4) : j == 1 ? _mm512_slli_epi16(top, 2) : j == 2 ? top : _mm512_srli_epi16(top, 2);
+    return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0F)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+}
 static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int bf16_out) {
+                                                         const int bf16_out, const int sym) {
     __m512 acc[I6_ROWS][I6_TILES];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
@@ -1726,8 +1745,10 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                 for (int c = 0; c < tiles; c++) isum[r][c] = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
                 __m512i v[I6_TILES];
-                for (int c = 0; c < tiles; c++)
-                    v[c] = _mm512_loadu_si512((const void *)(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64));
+                for (int c = 0; c < tiles; c++) {
+                    const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF;
+                    v[c] = six16(_mm512_loadu_si512((const void *)(at + (j >> 1) * 64)), _mm512_loadu_si512((const void *)(at + 128)), j);
+                }
                 for (int r = 0; r < rows; r++) {
                     int32_t quad;
                     memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
@@ -1736,9 +1757,9 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                 }
             }
             for (int c = 0; c < tiles; c++) {
-                const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16;
+                const uint16_t *s = sym ? sc + ((b * tiles + c) * 2 + half) * 16 : sc + ((b * tiles + c) * 4 + 2 * half) * 16;
                 const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+                const __m512 m = sym ? _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
                 for (int r = 0; r < rows; r++) {
                     const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b]));
                     acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), dx, acc[r][c]);
@@ -1770,7 +1791,7 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
             __m512i mag[I6_TILES];
             __mmask64 neg[I6_TILES];
             for (int c = 0; c < tiles; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(w + (b * tiles + c) * I6_TILE_BLOCK + j * 64));
+                const __m512i v = _mm512_loadu_si512((const void *)(w + (b * tiles + c) * I8_TILE_BLOCK + j * 64));
                 mag[c] = _mm512_abs_epi8(v);
                 neg[c] = _mm512_movepi8_mask(v);
             }
@@ -1797,10 +1818,15 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
 #define I6_QUANTIZE q8a_block
 #elif NEON_DOT
 #define I6_WIDE 0
+static inline __attribute__((always_inline)) uint8x16_t six4(uint8x16_t low, uint8x16_t top, const int j) {
+    const uint8x16_t lo = (j & 1) ? vshrq_n_u8(low, 4) : vandq_u8(low, vdupq_n_u8(0x0F));
+    const uint8x16_t hi = j == 0 ? vshlq_n_u8(top, 4) : j == 1 ? vshlq_n_u8(top, 2) : j == 2 ? top : vshrq_n_u8(top, 2);
+    return vorrq_u8(lo, vandq_u8(hi, vdupq_n_u8(0x30)));
+}
 static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int bf16_out) {
+                                                         const int bf16_out, const int sym) {
     for (int c = 0; c < tiles; c++)
         for (int q4 = 0; q4 < 4; q4++) { /* four outputs at a time */
             float32x4_t acc[I6_ROWS];
@@ -1809,17 +1835,18 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                 for (int half = 0; half < 2; half++) {
                     int32x4_t isum[I6_ROWS];
                     for (int r = 0; r < rows; r++) isum[r] = vdupq_n_s32(0);
+                    const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF + q4 * 16;
                     for (int j = 0; j < 4; j++) {
-                        const int8x16_t v = vreinterpretq_s8_u8(vld1q_u8(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + q4 * 16));
+                        const int8x16_t v = vreinterpretq_s8_u8(six4(vld1q_u8(at + (j >> 1) * 64), vld1q_u8(at + 128), j));
                         for (int r = 0; r < rows; r++) {
                             int32_t quad;
                             memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
                             isum[r] = vdotq_s32(isum[r], v, vreinterpretq_s8_s32(vdupq_n_s32(quad)));
                         }
                     }
-                    const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16 + q4 * 4;
+                    const uint16_t *s = (sym ? sc + ((b * tiles + c) * 2 + half) * 16 : sc + ((b * tiles + c) * 4 + 2 * half) * 16) + q4 * 4;
                     const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s)));
-                    const float32x4_t m = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + 16)));
+                    const float32x4_t m = sym ? vmulq_f32(d, vdupq_n_f32(-32.0f)) : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + 16)));
                     for (int r = 0; r < rows; r++) {
                         const float32x4_t dx = vmulq_f32(d, vdupq_n_f32(xd[r * nb + b]));
                         acc[r] = vfmaq_f32(acc[r], vcvtq_f32_s32(isum[r]), dx);
@@ -1850,7 +1877,7 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
                 int32x4_t isum[I6_ROWS];
                 for (int r = 0; r < rows; r++) isum[r] = vdupq_n_s32(0);
                 for (int j = 0; j < 8; j++) {
-                    const int8x16_t v = vld1q_s8(w + (b * tiles + c) * I6_TILE_BLOCK + j * 64 + q4 * 16);
+                    const int8x16_t v = vld1q_s8(w + (b * tiles + c) * I8_TILE_BLOCK + j * 64 + q4 * 16);
                     for (int r = 0; r < rows; r++) {
                         int32_t quad;
                         memcpy(&quad, xq + r * k + b * I6_BLOCK + 4 * j, sizeof quad);
@@ -1875,19 +1902,27 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
 #define I6_QUANTIZE a2_q8_block
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define I6_WIDE 0
+/* `six16` on 256-bit registers. */
+static inline __attribute__((always_inline)) __m256i six8(__m256i low, __m256i top, const int j) {
+    const __m256i lo = (j & 1) ? _mm256_srli_epi16(low, 4) : low;
+    const __m256i hi = j == 0 ? _mm256_slli_epi16(top, 4) : j == 1 ? _mm256_slli_epi16(top, 2) : j == 2 ? top : _mm256_srli_epi16(top, 2);
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
 static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                               const float *xd, const float *xs, void *out, int64_t nb,
                                                               int64_t k, int64_t n, const int rows, const int tiles,
-                                                              const int c, const int h8, const int bf16_out) {
+                                                              const int c, const int h8, const int bf16_out, const int sym) {
     __m256 acc[I6_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         for (int half = 0; half < 2; half++) {
             __m256i isum[I6_ROWS];
             for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+            const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF + h8 * 32;
+            const __m256i top = _mm256_loadu_si256((const __m256i *)(at + 128));
 #if defined(__AVXVNNI__)
             for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + h8 * 32));
+                const __m256i v = six8(_mm256_loadu_si256((const __m256i *)(at + (j >> 1) * 64)), top, j);
                 for (int r = 0; r < rows; r++) {
                     int32_t quad;
                     memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
@@ -1899,8 +1934,8 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
              * `vpmaddwd`: each is at most 2 x 63 x 128 = 16,128 in size, two
              * 32,256, so the int32 sums are the VNNI build's. */
             for (int j = 0; j < 4; j += 2) {
-                const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + (4 * half + j) * 64 + h8 * 32;
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)at), v1 = _mm256_loadu_si256((const __m256i *)(at + 64));
+                const __m256i low = _mm256_loadu_si256((const __m256i *)(at + (j >> 1) * 64));
+                const __m256i v0 = six8(low, top, j), v1 = six8(low, top, j + 1);
                 for (int r = 0; r < rows; r++) {
                     int32_t quad[2];
                     memcpy(quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
@@ -1910,9 +1945,9 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
                 }
             }
 #endif
-            const uint16_t *s = sc + ((b * tiles + c) * 4 + 2 * half) * 16 + h8 * 8;
+            const uint16_t *s = (sym ? sc + ((b * tiles + c) * 2 + half) * 16 : sc + ((b * tiles + c) * 4 + 2 * half) * 16) + h8 * 8;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+            const __m256 m = sym ? _mm256_mul_ps(d, _mm256_set1_ps(-32.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
             for (int r = 0; r < rows; r++) {
                 const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dx, acc[r]);
@@ -1934,9 +1969,9 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
 static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int bf16_out) {
+                                                         const int bf16_out, const int sym) {
     for (int c = 0; c < tiles; c++)
-        for (int h8 = 0; h8 < 2; h8++) i6_half_pass(w, sc, xq, xd, xs, out, nb, k, n, rows, tiles, c, h8, bf16_out);
+        for (int h8 = 0; h8 < 2; h8++) i6_half_pass(w, sc, xq, xd, xs, out, nb, k, n, rows, tiles, c, h8, bf16_out, sym);
 }
 /* Signed 8-bit codes (Q8_0): |w| as the unsigned operand and the input's
  * sign flipped where w < 0 (zeroed where w = 0), so vpmaddubsw cannot
@@ -1951,7 +1986,7 @@ static inline __attribute__((always_inline)) void i8_half_pass(const int8_t *w, 
         __m256i isum[I6_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I6_TILE_BLOCK + j * 64 + h8 * 32));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I8_TILE_BLOCK + j * 64 + h8 * 32));
             const __m256i mag = _mm256_sign_epi8(v, v);
             for (int r = 0; r < rows; r++) {
                 int32_t quad;
@@ -1984,11 +2019,17 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
 #endif
 
 #if defined(I6_WIDE)
+#define I6_TILES_CASE(R, S)                                                                          \
+    if (tiles_here == 3) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out, S);               \
+    else if (tiles_here == 2) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out, S);          \
+    else i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out, S);
 #define I6_CASE(R)                                                                                   \
     case R:                                                                                          \
-        if (tiles_here == 3) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out);              \
-        else if (tiles_here == 2) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out);         \
-        else i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out);                              \
+        if (sym) {                                                                                   \
+            I6_TILES_CASE(R, 1)                                                                      \
+        } else {                                                                                     \
+            I6_TILES_CASE(R, 0)                                                                      \
+        }                                                                                            \
         break;
 
 #define I8_CASE(R)                                                                                   \
@@ -2001,16 +2042,17 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
 int trioserve_int6_q8_available(void) { return 1; }
 int trioserve_int8_q8_available(void) { return 1; }
 
-/* The one driver of the 6-bit and the signed 8-bit kernels (`eight`): each
- * row's inputs to 8 bits per block of 32 (and, for 6 bits, the sums of 16),
- * then the groups of three tiles split between the threads, rows four at a
- * time. Returns 1 when n is not a multiple of 16 or k of 32, 2 when scratch
- * memory cannot be had, else 0. x [R, K] bf16 or fp32; out [R, N] fp32 or bf16. */
+/* The one driver of the 6-bit kernel (symmetric or not, `sym`) and the
+ * signed 8-bit one (`eight`): each row's inputs to 8 bits per block of 32
+ * (and, for 6 bits, the sums of 16), then the groups of three tiles split
+ * between the threads, rows four at a time. Returns 1 when n is not a
+ * multiple of 16 or k of 32, 2 when scratch memory cannot be had, else 0.
+ * x [R, K] bf16 or fp32; out [R, N] fp32 or bf16. */
 static int codes_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                           int64_t n, int64_t k, int x_bf16, int bf16_out, int threads, const int eight) {
+                           int64_t n, int64_t k, int x_bf16, int bf16_out, int threads, const int eight, const int sym) {
     if (n % 16 || k % I6_BLOCK) return 1;
     const int64_t nb = k / I6_BLOCK, tiles = n / 16, groups = (tiles + I6_TILES - 1) / I6_TILES;
-    const int64_t scales_per_block = eight ? 16 : 64;
+    const int64_t scales_per_block = eight ? 16 : sym ? 32 : 64, tile_block = eight ? I8_TILE_BLOCK : I6_TILE_BLOCK;
     Q8Scratch q8;
     if (q8_scratch(&q8, x, rows, k, x_bf16, 2)) return 2;
     uint16_t *xh = q8.xh;
@@ -2029,7 +2071,7 @@ static int codes_q8_matmul(const uint8_t *packed, const uint16_t *scales, const 
         for (int64_t g = 0; g < groups; g++) {
             const int64_t t0 = g * I6_TILES;
             const int tiles_here = tiles - t0 < I6_TILES ? (int)(tiles - t0) : I6_TILES;
-            const uint8_t *w = packed + t0 * nb * I6_TILE_BLOCK;
+            const uint8_t *w = packed + t0 * nb * tile_block;
             const uint16_t *sc = scales + t0 * nb * scales_per_block;
             for (int64_t r0 = 0; r0 < rows; r0 += I6_ROWS) {
                 const int8_t *xr = xq + r0 * k;
@@ -2060,18 +2102,26 @@ static int codes_q8_matmul(const uint8_t *packed, const uint16_t *scales, const 
 
 int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    return codes_q8_matmul(packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 0);
+    return codes_q8_matmul(packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 0, 0);
+}
+
+/* The same for a symmetric weight (m = -32 d in every group: Q6_K), whose
+ * scales hold d alone (the layout above). */
+int trioserve_int6s_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    return codes_q8_matmul(packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 0, 1);
 }
 
 /* Signed 8-bit codes with one f16 scale per output and block of 32 (GGUF's
  * Q8_0, kernels/int8w.py): per block, in order,
  *   acc = fma(float(isum), d xd, acc)
  * with isum the exact sum of the 32 products of codes and 8-bit inputs;
- * every build gives the same bits. Layout: the 6-bit kernel's for the codes
- * (bytes read as int8), and scales [g][K/32][T][16] f16. */
+ * every build gives the same bits. Layout: the 6-bit kernel's tile groups,
+ * with the codes a byte each (read as int8), [g][K/32][T][8][16][4] (quad j
+ * of the block, column, input), and scales [g][K/32][T][16] f16. */
 int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    return codes_q8_matmul((const uint8_t *)packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 1);
+    return codes_q8_matmul((const uint8_t *)packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 1, 0);
 }
 #else
 int trioserve_int6_q8_available(void) { return 0; }
@@ -2079,6 +2129,10 @@ int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
     (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
     return 4;
+}
+int trioserve_int6s_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
+                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
+    return trioserve_int6_q8_matmul(packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads);
 }
 int trioserve_int8_q8_available(void) { return 0; }
 int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
