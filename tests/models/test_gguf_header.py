@@ -132,6 +132,15 @@ def test_unknown_version_is_named(tmp_path, tiny_checkpoints):
         load_checkpoint(path)
 
 
+def test_a_big_endian_file_is_named(tmp_path, tiny_checkpoints):
+    data = bytearray(tiny_checkpoints["gguf_f32"].read_bytes())
+    struct.pack_into(">I", data, 4, 3)
+    path = tmp_path / "be.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="a big-endian GGUF file: trioserve reads little-endian ones"):
+        load_checkpoint(path)
+
+
 def test_single_byte_corruptions_of_the_header_fail_cleanly(tmp_path, tiny_checkpoints):
     """Flip one byte at 150 places in the header: each file either loads or
     raises CheckpointError (the CLI's one-line message), nothing else."""

@@ -130,6 +130,8 @@ def read_gguf(path: Path) -> GGUFFile:
 def _walk(cur: _Cursor, path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]]]:
     cur.skip(4, "the magic")
     version = cur.take("<I", "the version")
+    if version not in (2, 3) and int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+        raise CheckpointError(path, "a big-endian GGUF file: trioserve reads little-endian ones (llama.cpp's convert_hf_to_gguf.py writes them by default)")
     if version not in (2, 3):
         raise CheckpointError(path, f"unsupported GGUF version {version} (trioserve reads versions 2 and 3)")
     tensors = cur.take("<Q", "the tensor count")
