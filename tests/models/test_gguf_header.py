@@ -123,21 +123,17 @@ def test_a_huge_array_count_is_refused_before_any_allocation(tmp_path, tiny_chec
     assert "items of 'tokenizer.ggml.token_type' needs" in info.value.problem
 
 
-def test_unknown_version_is_named(tmp_path, tiny_checkpoints):
+@pytest.mark.parametrize(
+    ("fmt", "version", "message"),
+    [("<I", 77, "unsupported GGUF version 77"), (">I", 3, "a big-endian GGUF file: trioserve reads little-endian ones")],
+    ids=["unknown", "big-endian"],
+)
+def test_a_version_it_cannot_read_is_named(tmp_path, tiny_checkpoints, fmt, version, message):
     data = bytearray(tiny_checkpoints["gguf_f32"].read_bytes())
-    struct.pack_into("<I", data, 4, 77)
-    path = tmp_path / "v77.gguf"
+    struct.pack_into(fmt, data, 4, version)
+    path = tmp_path / "version.gguf"
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="unsupported GGUF version 77"):
-        load_checkpoint(path)
-
-
-def test_a_big_endian_file_is_named(tmp_path, tiny_checkpoints):
-    data = bytearray(tiny_checkpoints["gguf_f32"].read_bytes())
-    struct.pack_into(">I", data, 4, 3)
-    path = tmp_path / "be.gguf"
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="a big-endian GGUF file: trioserve reads little-endian ones"):
+    with pytest.raises(CheckpointError, match=message):
         load_checkpoint(path)
 
 

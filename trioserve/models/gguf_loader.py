@@ -144,7 +144,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             w16[name]()  # checked once (finite), here
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
             if name == "model.embed_tokens.weight":  # looked up a few rows a step, from the file
-                rows[name] = functools.partial(_rows, t, dtype, reader)
+                rows[name] = functools.partial(_rows, t, dtype)
         elif name in ("lm_head.weight", "model.embed_tokens.weight") and t.tensor_type not in DENSE_TYPES and len(t.shape) == 2:
             # The head is read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows),
             # made slice by slice from the file's rows; the embedding a few rows a step, from the
@@ -152,7 +152,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             # when asked for. Checked whole once, here, a slice at a time.
             _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
-            rows[name] = functools.partial(_rows, t, dtype, reader)
+            rows[name] = functools.partial(_rows, t, dtype)
         else:
             held[name] = _dense(path, t, heads, dtype, reader)
         if progress is not None:
@@ -188,17 +188,10 @@ def _drop_pages(reader: GGUFFile, t: GGUFTensor | None = None) -> None:
 DENSE_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 
-ROWS_DROP_PAGES = 256  # a read of this many rows or more lets the tensor's mapped pages go after
-
-
-def _rows(t: GGUFTensor, dtype: torch.dtype, reader: GGUFFile, ids: torch.Tensor) -> torch.Tensor:
+def _rows(t: GGUFTensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of the quantized 2-D tensor ``t``, dequantized as the
-    whole tensor is (a row's blocks are its own), in ``dtype``: [len(ids), columns].
-    After a big read (the 8-bit head made slice by slice, a long prompt) the
-    tensor's mapped pages are let go, so they do not add up in resident memory."""
+    whole tensor is (a row's blocks are its own), in ``dtype``: [len(ids), columns]."""
     data = np.asarray(t.data)[ids.reshape(-1).cpu().numpy()]
-    if len(data) >= ROWS_DROP_PAGES:
-        _drop_pages(reader, t)
     array = gguf.quants.dequantize(data, t.tensor_type).reshape(len(data), -1)
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype).reshape(*ids.shape, -1)
 

@@ -1711,6 +1711,12 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
 #define I6_TILES 3
 #define I6_ROWS 4
 
+/* The 16 d of half `half` of tile-block `tb` (b * tiles + c); m follows
+ * them unless the weight is symmetric (the scales layout above). */
+static inline const uint16_t *i6_scales(const uint16_t *sc, int64_t tb, int half, const int sym) {
+    return sym ? sc + (tb * 2 + half) * 16 : sc + (tb * 4 + 2 * half) * 16;
+}
+
 /* The two group-of-16 sums of one block's bf16 inputs, in the order above. */
 static inline void i6_sums16(const uint16_t *src, float *out) {
     for (int h = 0; h < 2; h++) {
@@ -1757,7 +1763,7 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                 }
             }
             for (int c = 0; c < tiles; c++) {
-                const uint16_t *s = sym ? sc + ((b * tiles + c) * 2 + half) * 16 : sc + ((b * tiles + c) * 4 + 2 * half) * 16;
+                const uint16_t *s = i6_scales(sc, b * tiles + c, half, sym);
                 const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
                 const __m512 m = sym ? _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
                 for (int r = 0; r < rows; r++) {
@@ -1844,7 +1850,7 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                             isum[r] = vdotq_s32(isum[r], v, vreinterpretq_s8_s32(vdupq_n_s32(quad)));
                         }
                     }
-                    const uint16_t *s = (sym ? sc + ((b * tiles + c) * 2 + half) * 16 : sc + ((b * tiles + c) * 4 + 2 * half) * 16) + q4 * 4;
+                    const uint16_t *s = i6_scales(sc, b * tiles + c, half, sym) + q4 * 4;
                     const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s)));
                     const float32x4_t m = sym ? vmulq_f32(d, vdupq_n_f32(-32.0f)) : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + 16)));
                     for (int r = 0; r < rows; r++) {
@@ -1945,7 +1951,7 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
                 }
             }
 #endif
-            const uint16_t *s = (sym ? sc + ((b * tiles + c) * 2 + half) * 16 : sc + ((b * tiles + c) * 4 + 2 * half) * 16) + h8 * 8;
+            const uint16_t *s = i6_scales(sc, b * tiles + c, half, sym) + h8 * 8;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
             const __m256 m = sym ? _mm256_mul_ps(d, _mm256_set1_ps(-32.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
             for (int r = 0; r < rows; r++) {
