@@ -102,7 +102,7 @@ def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_ch
             f"trioserve: computing on cpu, float32, native kernels ({level}), int8 activations, {default_threads()} threads"
         )
         want = {"device": "cpu", "dtype": "float32", "kv_dtype": "float32", "kernels": "native", "cpu_kernels": level, "activations": "int8",
-                "threads": default_threads(), "weights": {"layers": {"4-bit": 4 * TINY["num_hidden_layers"]}, "head": "8-bit"}}  # fmt: skip
+                "threads": default_threads(), "weights": {"layers": {"4-bit": 4 * TINY["num_hidden_layers"]}, "head": "4-bit"}}  # fmt: skip
         assert httpx.get(f"{narrow.url}/v1/models", timeout=30).json()["data"][0]["compute"] == want
         assert httpx.get(f"{narrow.url}/metrics", timeout=30).json()["compute"] == want
         narrow_tokens = _greedy(narrow.url)

@@ -352,7 +352,7 @@ def weight_card(model: LlamaModel) -> dict[str, object] | None:
     """How the model holds its weights: the layer matrices counted by kind
     (`Projection.kind`: 4-, 6- or 8-bit codes, an F16/BF16 file's 16 bits,
     or dense; a fused matrix whose parts differ counts each part), and the
-    output head's kind. None for a model handed to the engine that does
+    output head's kind (the same words, or "8-bit copy"). None for a model handed to the engine that does
     not show its layers."""
     if not hasattr(model, "layers"):
         return None
@@ -361,7 +361,11 @@ def weight_card(model: LlamaModel) -> dict[str, object] | None:
         for fused in (layer.qkv, layer.o, layer.gate_up, layer.down):
             for part in getattr(fused, "parts", [fused]):
                 layers[part.kind] = layers.get(part.kind, 0) + 1
-    head = "8-bit" if model.head_int8 is not None else "16-bit" if model.head_w16 is not None else "dense"
+    head_codes = getattr(model, "head_codes", None)
+    if head_codes is not None:  # the file's own codes (its type's kind)
+        head = head_codes.kind
+    else:  # the model's 8-bit copy of a head whose type has no kernel, an F16/BF16 file's bits, or dense
+        head = "8-bit copy" if model.head_int8 is not None else "16-bit" if model.head_w16 is not None else "dense"
     return {"layers": dict(sorted(layers.items())), "head": head}
 
 

@@ -33,8 +33,8 @@ def test_q4_1_checkpoint_keeps_int4_parts_in_unpermuted_row_order(tiny_checkpoin
     exactly the dequantized weights under the same (HF, un-permuted) rows."""
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32)
     matrices = [n for n, t in ckpt.weights.items() if n.startswith("model.layers.") and t.ndim == 2]
-    assert sorted(ckpt.int4) == sorted(matrices)
-    for name in matrices:
+    assert sorted(ckpt.int4) == sorted([*matrices, "lm_head.weight"])  # the head's codes too (for the head on the 4-bit kernel)
+    for name in [*matrices, "lm_head.weight"]:
         torch.testing.assert_close(ckpt.int4[name].dequantize(), ckpt.weights[name], atol=1e-6, rtol=0, msg=name)
     f32 = load_checkpoint(tiny_checkpoints["gguf_f32"], dtype=torch.float32)
     assert f32.int4 == {}
@@ -124,18 +124,25 @@ def test_int8_rows_are_close_and_each_row_is_computed_on_its_own(rows):
         assert torch.equal(head(crowd[r : r + 1])[0], together[r])
 
 
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_model_with_int4_weights_has_an_8_bit_head(tiny_checkpoints, dtype):
-    """A model with 4-bit projections (float32 or bf16) gets the 8-bit head,
-    one without them keeps the dense one; greedy picks match the dense
-    model's and the logits stay close."""
-    quantized = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype))
-    assert quantized.head_int8 is not None and quantized.layers[0].qkv.packed is not None
+def test_a_model_with_int4_weights_has_a_quantized_head(tiny_checkpoints, dtype, activations):
+    """A model with 4-bit projections (float32 or bf16) computes its head on
+    the file's 4-bit codes with int8 activations (as the layers), or on an
+    8-bit copy with bf16 ones; one without them keeps the dense head.
+    Greedy picks match the dense model's and the logits stay close."""
+    quantized = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype), activations=activations)
+    assert quantized.layers[0].qkv.packed is not None or quantized.layers[0].qkv.q8_twin is not None
+    if activations == "int8":
+        assert quantized.head_codes.kind == "4-bit" and quantized.head_int8 is None and quantized.lm_head.is_meta
+    else:
+        assert quantized.head_int8 is not None and quantized.head_codes is None
     dense = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32), use_int4=False)
-    assert dense.head_int8 is None
+    assert dense.head_int8 is None and dense.head_codes is None
     step = build_step([SeqChunk([3], 4, [2, 3], decode=True), SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4)
     a = quantized.forward(step, quantized.new_kv_cache(4, 4))
     b = dense.forward(step, dense.new_kv_cache(4, 4))
+    assert a.shape == b.shape == (2, dense.config.vocab_size) and a.dtype == torch.float32
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 

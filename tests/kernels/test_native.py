@@ -280,8 +280,11 @@ def test_rope_and_kv_write_are_bit_identical_to_the_torch_twin(dtype, heads, kv_
 # a share of the largest logit. With int8 activations a bf16 model's small
 # upstream differences (the bf16 row's 0.5%) move some inputs across an
 # 8-bit rounding step (1/127 of their block's largest), so its bound is
-# wider; a float32 model's two paths give the same bits there.
-AGREE = {("bf16", torch.float32): 0.02, ("bf16", torch.bfloat16): 0.02, ("int8", torch.float32): 0.0, ("int8", torch.bfloat16): 0.05}
+# wider; a float32 model's two paths agree to the last bits there: the
+# layers give the same bits, and the head (on the file's codes) differs only
+# where its C kernel fuses a multiply-add that the twin rounds twice (a few
+# units in the last place of the largest logit).
+AGREE = {("bf16", torch.float32): 0.02, ("bf16", torch.bfloat16): 0.02, ("int8", torch.float32): 2**-20, ("int8", torch.bfloat16): 0.05}
 
 
 @pytest.mark.parametrize("activations", ["bf16", "int8"])
@@ -309,14 +312,24 @@ def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_c
             assert (qkv.native is not None) == native.int4_supported(*qkv.weight.shape)
             assert qkv.native is None or not qkv.native.q8
         assert (slow.layers[0].qkv.q8_twin is not None) == (activations == "int8")
-        assert fast.head_int8 is not None and slow.head_int8 is not None  # both count as 4-bit models: an 8-bit head
+        if activations == "int8":  # the file's Q4_1 head on the 4-bit codes, as the layers
+            assert fast.head_codes.native.q8 and slow.head_codes.q8_twin is not None and fast.head_int8 is None
+        else:  # both count as 4-bit models: an 8-bit copy of the head
+            assert fast.head_int8 is not None and slow.head_int8 is not None
         prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
         decode = build_step([SeqChunk([3], 6, [0, 1], decode=True)], 4, fixed=True)
         caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}
         for step in (prompt, decode):
             a, b = fast.forward(step, caches[fast]), slow.forward(step, caches[slow])
-            assert (a - b).abs().max() <= AGREE[activations, dtype] * b.abs().max(), dtype
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
+            bound = AGREE[activations, dtype] * b.abs().max()
+            assert (a - b).abs().max() <= bound, dtype
+            # The same greedy picks, but at a near tie (the top two within twice the bound: the
+            # bf16 model with int8 activations, whose head rounds its inputs to 8 bits as well).
+            top = b.topk(2, dim=-1).values
+            clear = (top[:, 0] - top[:, 1]) > 2 * bound
+            assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), dtype
+            if (activations, dtype) == ("int8", torch.float32):  # agreeing to the last bits: every pick compared
+                assert bool(clear.all())
 
 
 @pytest.mark.without_kernels

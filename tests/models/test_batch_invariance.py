@@ -93,7 +93,8 @@ def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool, activations: st
         # the served path: every projection has its 4-bit copy
         for layer in model.layers:
             assert all(p.packed is not None for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        assert model.head_int8 is not None  # the 8-bit head, per-row arithmetic
+        # per-row arithmetic: the file's Q4_1 head on the 4-bit codes (int8 activations) or an 8-bit copy
+        assert (model.head_codes if model.kernels.activations == "int8" else model.head_int8) is not None
     assert model.dtype == (torch.float32 if kind == "q4_1_f32" else torch.bfloat16)
     assert model.config.max_position == MAX_POSITION
     return model

@@ -73,8 +73,10 @@ def test_q4_k_tensors_load_as_codes_and_are_never_held_dense(mixed_gguf):
     }  # fmt: skip
     assert set(ckpt.int6) == {f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.v_proj.weight", "mlp.down_proj.weight")}
     assert not ckpt.weights.is_held(a + "q_proj.weight") and not ckpt.weights.is_held(a + "v_proj.weight")
-    assert set(ckpt.int8) == {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)}
+    # The head (Q8_0 here) as its codes too, for the model's head on the codes kernel.
+    assert set(ckpt.int8) == {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)} | {"lm_head.weight"}
     assert not ckpt.weights.is_held(a + "o_proj.weight")  # Q8_0: its codes, dense only when asked for
+    assert not ckpt.weights.is_held("lm_head.weight")
     o = next(t for t in gguf.GGUFReader(str(mixed_gguf)).tensors if t.name == "blk.0.attn_output.weight")
     want_o = gguf.quants.dequantize(o.data, o.tensor_type).reshape(256, 256)
     assert torch.equal(ckpt.int8[a + "o_proj.weight"].dequantize(), torch.from_numpy(want_o))  # the file's values exactly
@@ -103,7 +105,7 @@ def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, k
     assert isinstance(layer.qkv.parts[1].q8_twin if kernels == "reference" else layer.qkv.parts[1].native, (Int6Parts, Int6Pack))
     assert isinstance(layer.gate_up, Projection) and layer.gate_up.every_row_8bit and layer.down.every_row_8bit
     assert layer.gate_up.weight.is_meta and layer.down.weight.is_meta  # no dense copy kept
-    assert layer.o.every_row_8bit and layer.o.weight.is_meta and fast.head_int8 is not None
+    assert layer.o.every_row_8bit and layer.o.weight.is_meta and fast.head_int8 is None and fast.head_codes.kind == "8-bit"  # the file's Q8_0 head
     assert isinstance(layer.o.q8_twin if kernels == "reference" else layer.o.native, (Int8Parts, Int8CodesPack))
     # Teacher-forced on the float32 model's greedy tokens: at every step the
     # logits lie within 5% of the largest (2.5% measured), and the codes pick

@@ -24,7 +24,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_a_q8_0_model_runs_its_codes_and_agrees_with_float32(tiny_checkpoints, kernels):
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q8_0"], dtype=torch.float32)
-    assert set(ckpt.int8) == {n for n in ckpt.weights if n.startswith("model.layers.") and n.endswith("proj.weight")}
+    # Every layer matrix and the head as their codes.
+    assert set(ckpt.int8) == {n for n in ckpt.weights if n.startswith("model.layers.") and n.endswith("proj.weight")} | {"lm_head.weight"}
     assert not any(ckpt.weights.is_held(n) for n in ckpt.int8)
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
     exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
@@ -33,6 +34,9 @@ def test_a_q8_0_model_runs_its_codes_and_agrees_with_float32(tiny_checkpoints, k
             p = getattr(layer, name)
             assert isinstance(p, Projection) and p.every_row_8bit and p.weight.is_meta, name
             assert isinstance(p.q8_twin if kernels == "reference" else p.native, (Int8Parts, Int8CodesPack)), name
+    head = fast.head_codes  # the file's Q8_0 head on the same kernel, no copy (the tiny vocabulary padded to 16s)
+    assert head is not None and fast.head_int8 is None and fast.lm_head.is_meta
+    assert isinstance(head.q8_twin if kernels == "reference" else head.native, (Int8Parts, Int8CodesPack))
     # Teacher-forced on the float32 model's greedy tokens (that model computes
     # the file's dequantized weights): logits within the 8-bit inputs' reach.
     caches = {m: m.new_kv_cache(8, 4) for m in (fast, exact)}

@@ -413,21 +413,31 @@ class Projection:
             parts.append(tiled_linear(prompt, self.weight, self.bias, PROMPT_TILE, joined, tail))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """An output head's logits: every row through the held codes (or
+        16-bit weights), into float32 whatever x's dtype, each row from that
+        row alone (`every_row_kernel` must hold)."""
+        if not self.every_row_kernel:
+            raise RuntimeError("Projection.logits needs a weight that every row takes through its kernel")
+        return self._int4(x, torch.float32)
+
+    def _int4(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
         if isinstance(self.native, w16.W16Pack):
-            y = native.w16_matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
+            y = native.w16_matmul(self.native, x.contiguous(), checked=False, lib=self._lib, out_dtype=out_dtype)
         elif isinstance(self.native, (int6.Int6Pack, int8w.Int8CodesPack)):
-            y = self._codes_kernel(self.native, x.contiguous(), checked=False, lib=self._lib)
+            y = self._codes_kernel(self.native, x.contiguous(), checked=False, lib=self._lib, out_dtype=out_dtype)
+        elif self.native is not None and self.native.q8:
+            y = native.int4_q8_matmul(self.native, x.contiguous(), checked=False, lib=self._lib, out_dtype=out_dtype)
         elif self.native is not None:
-            matmul = native.int4_q8_matmul if self.native.q8 else native.int4_matmul
-            y = matmul(self.native, x.contiguous(), checked=False, lib=self._lib)
+            y = native.int4_matmul(self.native, x.contiguous(), checked=False, lib=self._lib).to(out_dtype)
         elif isinstance(self.q8_twin, (Int6Parts, Int8Parts)):
-            y = self._codes_twin(self.q8_twin, x).to(x.dtype)
+            y = self._codes_twin(self.q8_twin, x).to(out_dtype)
         elif self.q8_twin is not None:
-            y = reference.int4_q8_matmul(*self.q8_twin, x).to(x.dtype)
+            y = reference.int4_q8_matmul(*self.q8_twin, x).to(out_dtype)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_zeros)
-            y = y.to(x.dtype)
+            y = y.to(out_dtype)
         return y if self.bias is None else y + self.bias
 
 

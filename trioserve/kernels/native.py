@@ -448,12 +448,12 @@ def int8_q8_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int8_q8_available())
 
 
-def int8_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def int8_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times a `kernels.int8w.pack_int8_q8`
     weight transposed, each row's inputs rounded to 8 bits per block of 32
     (the C source says how; its twin is kernels/int8w.py `int8_q8_matmul`):
-    [R, N] in x's dtype, each row's result from that row alone."""
-    return _int4_call("int8_q8_matmul", pack, x, threads, checked, lib)
+    [R, N] in ``out_dtype`` (default x's dtype), each row's result from that row alone."""
+    return _int4_call("int8_q8_matmul", pack, x, threads, checked, lib, out_dtype)
 
 
 def w16_supported(n: int, k: int) -> bool:
@@ -486,12 +486,12 @@ def w16_matmul(
     return out
 
 
-def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def int6_q8_matmul(pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [R, K] (bfloat16 or float32) times a `kernels.int6.pack_int6_q8`
     weight transposed, each row's inputs rounded to 8 bits per block of 32
     (the C source says how; its twin is kernels/int6.py `int6_q8_matmul`):
-    [R, N] in x's dtype, each row's result from that row alone."""
-    return _int4_call("int6s_q8_matmul" if pack.symmetric else "int6_q8_matmul", pack, x, threads, checked, lib)
+    [R, N] in ``out_dtype`` (default x's dtype), each row's result from that row alone."""
+    return _int4_call("int6s_q8_matmul" if pack.symmetric else "int6_q8_matmul", pack, x, threads, checked, lib, out_dtype)
 
 
 def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:
@@ -559,16 +559,19 @@ def int4_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, 
     return _int4_call("int4_matmul", pack, x, threads, checked, lib)
 
 
-def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def int4_q8_matmul(pack: Int4Pack, x: torch.Tensor, *, threads: int | None = None, checked: bool = True, lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """As `int4_matmul`, for a `pack_int4_q8` weight, with each row's inputs
     rounded to 8 bits per block of 32 (the C source says how; its torch
-    twin is kernels/reference.py `int4_q8_matmul`): [R, N] in x's dtype,
-    each row's result from that row alone."""
-    return _int4_call("int4_q8_matmul", pack, x, threads, checked, lib)
+    twin is kernels/reference.py `int4_q8_matmul`): [R, N] in ``out_dtype``
+    (default x's dtype), each row's result from that row alone."""
+    return _int4_call("int4_q8_matmul", pack, x, threads, checked, lib, out_dtype)
 
 
-def _int4_call(name: str, pack, x: torch.Tensor, threads: int | None, checked: bool, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """Run the 4-, 6- or 8-bit kernel ``name`` (its layout must be the pack's)."""
+def _int4_call(
+    name: str, pack, x: torch.Tensor, threads: int | None, checked: bool, lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Run the 4-, 6- or 8-bit kernel ``name`` (its layout must be the pack's)
+    into ``out_dtype`` (bfloat16 or float32; default x's dtype)."""
     lib = _lib(lib)
     if name in ("int4_matmul", "int4_q8_matmul") and pack.q8 != (name == "int4_q8_matmul"):
         raise RuntimeError(f"{name} was given a weight packed for the other 4-bit kernel")
@@ -577,11 +580,10 @@ def _int4_call(name: str, pack, x: torch.Tensor, threads: int | None, checked: b
             raise RuntimeError(f"{name}: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
         x = x.contiguous()
         _float_kind(x)
-    bf16 = int(x.dtype == torch.bfloat16)
-    out = torch.empty(x.shape[0], pack.n, dtype=x.dtype)
+    out = torch.empty(x.shape[0], pack.n, dtype=out_dtype or x.dtype)
     code = getattr(lib, f"trioserve_{name}")(
         pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
-        bf16, bf16, threads or torch.get_num_threads(),
+        int(x.dtype == torch.bfloat16), int(out.dtype == torch.bfloat16), threads or torch.get_num_threads(),
     )  # fmt: skip
     _check_matmul(code, name, pack.n, pack.k)
     return out

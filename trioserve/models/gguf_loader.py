@@ -106,6 +106,8 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     check_complete(path, config, shapes, spelled=gguf_name)
     tokenizer = _tokenizer(meta, path)
 
+    # The matrix that gives the logits: its own, or the embedding where the two are tied.
+    head_name = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
     held: dict[str, torch.Tensor] = {}
     made: dict[str, Callable[[], torch.Tensor]] = {}
     int4: dict[str, Callable[[], Int4Parts]] = {}
@@ -146,13 +148,21 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             if name == "model.embed_tokens.weight":  # looked up a few rows a step, from the file
                 rows[name] = functools.partial(_rows, t, dtype)
         elif name in ("lm_head.weight", "model.embed_tokens.weight") and t.tensor_type not in DENSE_TYPES and len(t.shape) == 2:
-            # The head is read whole every step, as the model's own 8-bit copy on a CPU (Int8Rows),
-            # made slice by slice from the file's rows; the embedding a few rows a step, from the
-            # file's rows (LlamaModel keeps no dense copy where no dense head reads it). Dense only
-            # when asked for. Checked whole once, here, a slice at a time.
+            # The head is read whole every step: on a CPU with int8 activations, as the file's
+            # codes where the type has a kernel (4-, up to 6- and 8-bit, as the layers'); else as
+            # the model's own 8-bit copy (Int8Rows), made slice by slice from the file's rows. The
+            # embedding is read a few rows a step, from the file's rows (LlamaModel keeps no dense
+            # copy where no dense head reads it). Dense only when asked for. Checked whole once,
+            # here, a slice at a time.
             _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
             rows[name] = functools.partial(_rows, t, dtype)
+            if name == head_name and t.tensor_type.name in INT4_TYPES:
+                int4[name] = functools.partial(_parts, t, heads, reader)
+            elif name == head_name and t.tensor_type.name in INT6_TYPES and t.shape[0] % 32 == 0:
+                int6[name] = functools.partial(_parts6, t, heads, reader)
+            elif name == head_name and t.tensor_type == Q.Q8_0:
+                int8[name] = functools.partial(_parts8, t, heads, reader)
         else:
             held[name] = _dense(path, t, heads, dtype, reader)
         if progress is not None:

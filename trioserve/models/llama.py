@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +26,9 @@ from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
+
+# The codes kernels compute outputs 16 at a time (kernels/csrc/cpu_kernels.c's tiles).
+HEAD_OUTPUTS = 16
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +233,30 @@ class LlamaModel:
         # take no 8-bit codes runs on the file's bits, per row, into float32 logits.
         self.head_w16 = None
         self.head_int8 = None
+        self.head_codes = None
         head_rows = (rows or {}).get(head_name)
         head_shape = (config.vocab_size, config.hidden_size)
-        if not quantized and head_name in w16 and native.w16_supported(*head_shape):
+        # With int8 activations the head stays in its file type where that has a kernel (a Q8_0,
+        # Q6_K, Q4_K... head on the layers' codes kernels, inputs in 8-bit blocks as theirs), as
+        # llama.cpp computes it: fewer bytes read a step than an 8-bit copy for the 4- to 6-bit
+        # types, and no copy made. Where the C kernel does not take the shape (a vocabulary not a
+        # multiple of 16) the 8-bit copy below serves instead of the slow torch twin.
+        head_parts = next((table[head_name] for table in (int4, int6, int8) if head_name in table), None) if quantized and codes_q8 else None
+        if head_parts is not None:
+            # The kernels take outputs 16 at a time: a vocabulary of another size is padded with
+            # copies of row 0, whose logits `_head` cuts off.
+            padded = -(-head_shape[0] // HEAD_OUTPUTS) * HEAD_OUTPUTS
+            order = np.concatenate([np.arange(head_shape[0]), np.zeros(padded - head_shape[0], dtype=np.int64)])
+            if padded != head_shape[0]:
+                head_parts = head_parts.take_rows(order)
+            later = DenseLater((padded, head_shape[1]), self.dtype, self.device, lambda: w(head_name)[torch.from_numpy(order)])
+            head = self.kernels.projection(later, None, head_parts)
+            if head.every_row_kernel and (head.native is not None or self.kernels.name == "reference"):
+                self.head_codes = head
+            del head, head_parts
+        if self.head_codes is not None:
+            self.lm_head = torch.empty(head_shape, dtype=self.dtype, device="meta")
+        elif not quantized and head_name in w16 and native.w16_supported(*head_shape):
             self.head_w16 = pack_w16(w16[head_name])
             self.lm_head = torch.empty(head_shape, dtype=self.dtype, device="meta")
         elif quantized and self.device.type == "cpu" and head_rows is not None:
@@ -245,11 +270,13 @@ class LlamaModel:
                 self.lm_head = torch.empty(self.lm_head.shape, dtype=self.lm_head.dtype, device="meta")  # the 8-bit copy serves
         self.embed_rows = None
         source = (rows or {}).get(embed_name)
-        if source is not None and self.device.type == "cpu" and (self.head_int8 is not None or self.head_w16 is not None or not config.tie_embeddings):
+        if source is not None and self.device.type == "cpu" and (
+            self.head_int8 is not None or self.head_w16 is not None or self.head_codes is not None or not config.tie_embeddings
+        ):
             self.embed_rows = source
             self.embed = torch.empty((config.vocab_size, config.hidden_size), dtype=self.dtype, device="meta")
             if config.tie_embeddings:
-                self.lm_head = self.embed  # the 8-bit or 16-bit head serves: head_int8, head_w16
+                self.lm_head = self.embed  # the codes, 8-bit or 16-bit head serves: head_codes, head_int8, head_w16
         else:
             self.embed = self.lm_head if config.tie_embeddings else w(embed_name)
         # A dense 16-bit head on a GPU sums into float32 logits and keeps them.
@@ -372,6 +399,10 @@ class LlamaModel:
 
     def _head(self, last: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the final-normed rows ``last``."""
+        if self.head_codes is not None:  # per row too
+            logits = self.head_codes.logits(last)
+            vocab = self.config.vocab_size
+            return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()
         if self.head_int8 is not None:  # per-row arithmetic in either mode
             return self.head_int8(last)
         if self.head_w16 is not None:  # per row too
