@@ -78,7 +78,9 @@ class Checkpoint:
     weights: Mapping[str, torch.Tensor]
     # Layer projections stored as Q4_0/Q4_1/Q4_K in the file, kept as their
     # 4-bit codes (same names, same row order as ``weights``, where they are
-    # made dense only when asked for: LazyWeights).
+    # made dense only when asked for: LazyWeights). In this and the two code
+    # tables below, the output head too (its name, or the embedding's where
+    # the two are tied), where the file holds it in the table's types.
     int4: Mapping[str, Int4Parts] = attrs.field(factory=dict)
     # Matrices read a few rows at a time (the embedding) that the file holds
     # quantized: rows(ids) makes just those rows, in the serving dtype, the
