@@ -20,6 +20,11 @@ gives each part's share of the step:
 - rest: whatever else runs between them (embedding, residual adds on the
   torch path, slicing, Python), i.e. the step's wall time minus the parts.
 
+The parts are those of the layer-by-layer forward. Where the model runs its
+layers in one C call (kernels/layer_runner.py: the C kernels with int8
+activations), that step is timed first ("one call ms"), then the model is
+profiled layer by layer; the difference is the per-call Python and ctypes.
+
 Also prints the number of torch operator calls per step and the sum of
 their own (self) CPU time, so that "Python and dispatch" is the step time
 minus that sum. Last line: one JSON object {"rows": {"1": {...}, ...}}.
@@ -92,16 +97,29 @@ def labels():
             setattr(owner, name, original)
 
 
-def _run(model: LlamaModel, cache, make_chunks, steps: int) -> tuple[float, dict]:
-    """(best step wall seconds without the profiler, {label: seconds per step} with it)."""
+def _best(model: LlamaModel, cache, make_chunks, steps: int) -> float:
+    """The fastest of ``steps`` steps, in wall seconds, after two to warm up."""
     fixed = model.batch_invariant
-    for k in range(2):  # warm-up
+    for k in range(2):
         model.forward(step_mod.build_step(make_chunks(k), BLOCK, fixed=fixed), cache)
     best = float("inf")
     for k in range(steps):
         t = time.perf_counter()
         model.forward(step_mod.build_step(make_chunks(k), BLOCK, fixed=fixed), cache)
         best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _run(model: LlamaModel, cache, make_chunks, steps: int) -> tuple[float, dict]:
+    """(best step wall seconds without the profiler, {label: seconds per step} with it).
+    The parts are those of the layer-by-layer forward: a model whose layers run
+    in one C call (kernels/layer_runner.py) is timed that way too
+    ("one_call_ms"), then profiled without it."""
+    fixed = model.batch_invariant
+    runner = model.runner
+    one_call = _best(model, cache, make_chunks, steps) if runner is not None else None
+    model.runner = None
+    best = _best(model, cache, make_chunks, steps)
     with labels(), profile(activities=[ProfilerActivity.CPU]) as prof:
         walls = []
         for k in range(steps):
@@ -109,6 +127,7 @@ def _run(model: LlamaModel, cache, make_chunks, steps: int) -> tuple[float, dict
             batch = step_mod.build_step(make_chunks(k), BLOCK, fixed=fixed)
             model.forward(batch, cache)
             walls.append(time.perf_counter() - t)
+    model.runner = runner
     events = prof.key_averages()
     per_step: dict[str, float] = {}
     ops = 0
@@ -126,6 +145,7 @@ def _run(model: LlamaModel, cache, make_chunks, steps: int) -> tuple[float, dict
     return best, {
         "wall_ms": wall * 1e3,
         "best_unprofiled_ms": best * 1e3,
+        "one_call_ms": None if one_call is None else one_call * 1e3,
         "parts_ms": {p: v * 1e3 for p, v in parts.items()},
         "torch_ops": ops / steps,
         "op_self_ms": self_total / steps * 1e3,
@@ -169,12 +189,13 @@ def main() -> None:
     table = pool.grow("prefill", PROMPT)
     _, results[f"prefill {PROMPT}"] = _run(model, cache, lambda k: [SeqChunk(prompt, 0, table)], max(2, args.steps // 2))
 
-    head = ["rows", "step ms", "unprofiled ms"] + list(PARTS) + ["rest", "torch ops/step", "op self ms"]
+    head = ["rows", "step ms", "unprofiled ms", "one call ms"] + list(PARTS) + ["rest", "torch ops/step", "op self ms"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, r in results.items():
         parts = r["parts_ms"]
-        cells = [name, f"{r['wall_ms']:.1f}", f"{r['best_unprofiled_ms']:.1f}"]
+        one = r["one_call_ms"]
+        cells = [name, f"{r['wall_ms']:.1f}", f"{r['best_unprofiled_ms']:.1f}", "-" if one is None else f"{one:.1f}"]
         cells += [f"{parts[p]:.2f} ({100 * parts[p] / r['wall_ms']:.0f}%)" for p in (*PARTS, "rest")]
         cells += [f"{r['torch_ops']:.0f}", f"{r['op_self_ms']:.1f}"]
         print("| " + " | ".join(cells) + " |")

@@ -21,6 +21,7 @@ from trioserve.kernels import memory, native
 from trioserve.kernels.int4 import DenseLater, Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.int8w import Int8Parts, concat_rows8
+from trioserve.kernels.layer_runner import LayerRunner
 from trioserve.kernels.w16 import W16Parts, concat_rows16, pack_w16
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.models.checkpoint import Checkpoint
@@ -288,6 +289,10 @@ class LlamaModel:
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
+        # Where every per-layer call would be a C kernel, the layers run in one C call a step
+        # (kernels/layer_runner.py): the same kernels and bits, without ~9 Python calls a layer.
+        # None: layer by layer in Python (setting it to None runs a model that way).
+        self.runner: LayerRunner | None = LayerRunner.for_model(self)
 
     @classmethod
     def from_checkpoint(
@@ -360,12 +365,16 @@ class LlamaModel:
                     raise ValueError("a step's index tensors must be contiguous int64")
         n_q = c.num_heads * c.head_dim
         kernels = self.kernels
-        gather = self._gather_buffers(batch, cache)
         # The residual stream stays fp32 whatever the weights' dtype: SmolLM2
         # and others grow "attention sink" activations (~25000) whose bf16
         # rounding (±128) swamps the per-layer updates and derails greedy
         # decoding. Norm outputs are cast back to the weights' dtype for matmuls.
         h = (self.embed_rows(batch.token_ids) if self.embed_rows is not None else F.embedding(batch.token_ids, self.embed)).float()
+        if self.runner is not None:  # the loop below, in one C call
+            h = h.contiguous()
+            self.runner.run(h, batch, cache.k, cache.v)
+            return h
+        gather = self._gather_buffers(batch, cache)
         d = batch.num_decode  # leading decode tokens: 4-bit weights where the model has them
 
         def project(p: Projection, x: torch.Tensor) -> torch.Tensor:

@@ -2335,3 +2335,201 @@ int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64
     free(xf);
     return 0;
 }
+
+/* ---- A step's decoder layers in one call (kernels/native.py `LayerRunner`) ----
+ *
+ * models/llama.py `_residual` calls the kernels above one at a time, about
+ * nine a layer; each call costs a few microseconds of Python and ctypes,
+ * ~1.6 ms a step for a 30-layer model (a sixth of a one-sequence decode step
+ * on two cores). This runs the same kernels, in the same order, on buffers
+ * of the same dtypes, so every bit is the same (tests/kernels/
+ * test_layer_runner.py): the loop over layers has only moved into C.
+ *
+ * Activations between kernels are the weights' dtype (bf16, else fp32), the
+ * residual stream h [rows, hidden] fp32, updated in place: after the call it
+ * holds the stream after the last layer. Projections whose parts the file
+ * stores in different types (a Q4_K_M file's q and k in Q4_K, v in Q6_K) run
+ * part by part into a scratch row, copied side by side. Pad rows (after
+ * `real`) go through every projection, are rotated but never stored, and
+ * their attention is zero, as in the Python forward.
+ *
+ * Returns 0; else the failing kernel's code plus 16 x which kernel failed
+ * (1 a projection, 2 rope and the K/V write, 3 attention), or 64 when
+ * scratch memory cannot be had. */
+
+enum { TS_INT4_Q8 = 1, TS_INT6_Q8 = 2, TS_INT6S_Q8 = 3, TS_INT8_Q8 = 4, TS_W16 = 5 };
+#define TS_MAX_PARTS 4
+
+typedef struct {
+    int32_t kind;    /* TS_* */
+    int32_t w_bf16;  /* TS_W16: the weight is BF16, else F16 */
+    int64_t n, k;
+    const void *packed;
+    const void *scales;
+} TsMat;
+
+typedef struct {
+    TsMat part[TS_MAX_PARTS];
+    int64_t parts;
+    int64_t n; /* the parts' outputs, side by side */
+} TsProj;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    TsProj qkv, o, gate_up, down;
+} TsLayer;
+
+typedef struct {
+    const TsLayer *layers;
+    int64_t num_layers, hidden, heads, kv_heads, dim, max_position;
+    const float *cos, *sin; /* [max_position, dim / 2] */
+    float eps, scale;
+    int32_t bf16;    /* the weights' dtype */
+    int32_t kv_bf16; /* the pool's */
+} TsModel;
+
+typedef struct {
+    int64_t first, count, num_tables, max_blocks;
+    const int64_t *tables, *lens, *row_seq; /* row_seq NULL: decode rows, a table row each */
+} TsGroup;
+
+typedef struct {
+    void *k_pool, *v_pool; /* [layers, KVH, NB, BS, D] */
+    int64_t num_blocks, block_size;
+    const int64_t *positions, *slots;
+    int64_t rows, real;
+    const TsGroup *groups;
+    int64_t num_groups;
+    int32_t threads;
+} TsStep;
+
+static int ts_mat(const TsMat *w, const void *x, void *out, int64_t rows, int bf16, int threads) {
+    switch (w->kind) {
+    case TS_INT4_Q8:
+        return trioserve_int4_q8_matmul(w->packed, w->scales, x, out, rows, w->n, w->k, bf16, bf16, threads);
+    case TS_INT6_Q8:
+        return trioserve_int6_q8_matmul(w->packed, w->scales, x, out, rows, w->n, w->k, bf16, bf16, threads);
+    case TS_INT6S_Q8:
+        return trioserve_int6s_q8_matmul(w->packed, w->scales, x, out, rows, w->n, w->k, bf16, bf16, threads);
+    case TS_INT8_Q8:
+        return trioserve_int8_q8_matmul(w->packed, w->scales, x, out, rows, w->n, w->k, bf16, bf16, threads);
+    case TS_W16:
+        return trioserve_w16_matmul(w->packed, x, out, rows, w->n, w->k, w->w_bf16, bf16, bf16, threads);
+    default:
+        return 1;
+    }
+}
+
+/* out [rows, p->n] = x times the projection; `part` holds one part's rows. */
+static int ts_proj(const TsProj *p, const void *x, void *out, void *part, int64_t rows, int bf16, int threads) {
+    if (p->parts == 1) return ts_mat(&p->part[0], x, out, rows, bf16, threads);
+    const size_t es = bf16 ? 2 : 4;
+    int64_t col = 0;
+    for (int64_t i = 0; i < p->parts; i++) {
+        const TsMat *w = &p->part[i];
+        const int code = ts_mat(w, x, part, rows, bf16, threads);
+        if (code) return code;
+        for (int64_t r = 0; r < rows; r++)
+            memcpy((char *)out + (size_t)(r * p->n + col) * es, (const char *)part + (size_t)(r * w->n) * es, (size_t)w->n * es);
+        col += w->n;
+    }
+    return 0;
+}
+
+static int64_t ts_widest(const TsProj *p, int64_t most) {
+    for (int64_t i = 0; i < p->parts; i++) most = p->part[i].n > most ? p->part[i].n : most;
+    return p->n > most ? p->n : most;
+}
+
+int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
+    const int64_t rows = s->rows, hidden = m->hidden, nq = m->heads * m->dim;
+    const int bf16 = m->bf16 != 0;
+    const size_t es = bf16 ? 2 : 4, kes = m->kv_bf16 ? 2 : 4;
+    if (m->num_layers < 1 || rows < 1) return 0;
+    /* Scratch, sized for the widest layer: the norms' output (also the
+     * attention rows cast to bf16), qkv, q, the attention rows in fp32,
+     * gate+up, SiLU's output, a projection's output, and one stacked part. */
+    int64_t w_qkv = 0, w_gu = 0, w_ffn = 0, w_part = 0;
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const TsLayer *l = &m->layers[i];
+        w_qkv = l->qkv.n > w_qkv ? l->qkv.n : w_qkv;
+        w_gu = l->gate_up.n > w_gu ? l->gate_up.n : w_gu;
+        w_ffn = l->down.part[0].k > w_ffn ? l->down.part[0].k : w_ffn;
+        const TsProj *ps[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
+        for (int j = 0; j < 4; j++)
+            if (ps[j]->parts > 1) w_part = ts_widest(ps[j], w_part);
+    }
+    const int64_t w_x = hidden > nq ? hidden : nq;
+    const size_t cells = (size_t)rows * (size_t)(w_x + w_qkv + nq + w_gu + w_ffn + hidden + w_part);
+    char *arena = (char *)malloc(cells * es + (size_t)(rows * nq) * sizeof(float) + 64);
+    if (arena == NULL) return 64;
+    void *x = arena;
+    void *qkv = (char *)x + (size_t)(rows * w_x) * es;
+    void *q = (char *)qkv + (size_t)(rows * w_qkv) * es;
+    void *gu = (char *)q + (size_t)(rows * nq) * es;
+    void *act = (char *)gu + (size_t)(rows * w_gu) * es;
+    void *delta = (char *)act + (size_t)(rows * w_ffn) * es;
+    void *part = (char *)delta + (size_t)(rows * hidden) * es;
+    float *att = (float *)(void *)((char *)part + (size_t)(rows * w_part) * es);
+    const int64_t layer_cells = m->kv_heads * s->num_blocks * s->block_size * m->dim;
+    const int64_t num_slots = s->num_blocks * s->block_size;
+    int code = 0;
+    trioserve_rms_norm(h, m->layers[0].attn_norm, x, rows, hidden, m->eps, bf16);
+    for (int64_t i = 0; i < m->num_layers && !code; i++) {
+        const TsLayer *l = &m->layers[i];
+        if ((code = ts_proj(&l->qkv, x, qkv, part, rows, bf16, s->threads))) {
+            code += 16;
+            break;
+        }
+        void *kc = (char *)s->k_pool + (size_t)(i * layer_cells) * kes;
+        void *vc = (char *)s->v_pool + (size_t)(i * layer_cells) * kes;
+        code = trioserve_rope_write_kv(qkv, s->positions, m->cos, m->sin, q, kc, vc, s->slots, rows, s->real, m->heads,
+                                       m->kv_heads, m->dim, m->max_position, num_slots, bf16, m->kv_bf16);
+        if (code) {
+            code += 32;
+            break;
+        }
+        int64_t end = 0;
+        for (int64_t g = 0; g < s->num_groups; g++) {
+            const TsGroup *gr = &s->groups[g];
+            code = trioserve_decode_attention((const char *)q + (size_t)(gr->first * nq) * es, kc, vc, gr->tables, gr->row_seq,
+                                              gr->lens, att + gr->first * nq, gr->count, gr->num_tables, m->heads, m->kv_heads,
+                                              s->num_blocks, s->block_size, m->dim, gr->max_blocks, m->scale, bf16, m->kv_bf16,
+                                              s->threads);
+            if (code) break;
+            end = gr->first + gr->count;
+        }
+        if (code) {
+            code += 48;
+            break;
+        }
+        if (end < rows) memset(att + end * nq, 0, (size_t)((rows - end) * nq) * sizeof(float));
+        const void *att_in = att;
+        if (bf16) { /* the attention rows in the weights' dtype, as the Python forward casts them */
+            uint16_t *xb = (uint16_t *)x;
+            for (int64_t j = 0; j < rows * nq; j++) xb[j] = float_to_bf16(att[j]);
+            att_in = x;
+        }
+        if ((code = ts_proj(&l->o, att_in, delta, part, rows, bf16, s->threads))) {
+            code += 16;
+            break;
+        }
+        trioserve_add_rms_norm(h, delta, l->mlp_norm, x, rows, hidden, m->eps, bf16, bf16);
+        if ((code = ts_proj(&l->gate_up, x, gu, part, rows, bf16, s->threads))) {
+            code += 16;
+            break;
+        }
+        trioserve_silu_mul(gu, act, rows, l->gate_up.n / 2, bf16);
+        if ((code = ts_proj(&l->down, act, delta, part, rows, bf16, s->threads))) {
+            code += 16;
+            break;
+        }
+        if (i + 1 < m->num_layers) {
+            trioserve_add_rms_norm(h, delta, m->layers[i + 1].attn_norm, x, rows, hidden, m->eps, bf16, bf16);
+        } else {
+            for (int64_t j = 0; j < rows * hidden; j++) h[j] += load(delta, j, bf16);
+        }
+    }
+    free(arena);
+    return code;
+}
