@@ -128,3 +128,40 @@ def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
     pack = pack_int6_q8(parts_from_gguf6(_raw("Q5_0", 32, 64, seed=2), "Q5_0"))
     with pytest.raises(RuntimeError, match=r"int6_q8_matmul: x \(2, 32\) does not have the weight's 64 inputs"):
         native.int6_q8_matmul(pack, torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_1"])
+def test_codes_made_a_slice_at_a_time_are_the_codes_made_whole(monkeypatch, qtype):
+    from trioserve.kernels import int6
+
+    raw = _raw(qtype, 96, 512, seed=3)
+    whole = parts_from_gguf6(raw, qtype)
+    monkeypatch.setattr(int6, "_ROWS_AT_ONCE", 7 * 512)  # slices of 7 rows: the last one short
+    sliced = parts_from_gguf6(raw, qtype)
+    for a, b in ((whole.u, sliced.u), (whole.d, sliced.d), (whole.m, sliced.m)):
+        assert torch.equal(a, b)
+    pack_whole = pack_int6_q8(whole)
+    monkeypatch.setattr(int6, "_ROWS_AT_ONCE", 48 * 512)  # one group of tiles a slice
+    pack_sliced = pack_int6_q8(whole)
+    assert torch.equal(pack_whole.packed, pack_sliced.packed) and torch.equal(pack_whole.scales, pack_sliced.scales)
+
+
+def test_reading_a_large_6_bit_head_passes_through_little_memory():
+    """A 6-bit head (Q6_K, as Q4_K_M files keep theirs) was read whole in
+    float: ~20 bytes a weight passed through, ~2 GB at 49,152 x 2,048, the
+    load's peak. Now a slice at a time: the codes, their scales and a few MB."""
+    import tracemalloc
+
+    rows, k = 8192, 2048
+    raw = _raw("Q6_K", rows, k, seed=4)
+    tracemalloc.start()
+    try:
+        parts = parts_from_gguf6(raw, "Q6_K")
+        pack = pack_int6_q8(parts)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    kept = rows * k * (1 + 2 * 4 / 16)  # u, d and m
+    assert pack.packed.numel() == rows * k * 3 // 4
+    # Whole, this was ~20 bytes a weight (320 MB here); sliced it is what is kept, the pack, and ~25 MB passing.
+    assert peak <= kept + rows * k * 0.9 + (32 << 20), (peak / 2**20, kept / 2**20)

@@ -68,8 +68,28 @@ def _k_scales(header: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
     """Rows of a Q6_K, Q5_K, Q5_0 or Q5_1 tensor ([N, blocks * bytes] uint8)
     as codes and per-16 scales and offsets (the module's docstring).
-    ValueError if a code falls outside 0..63 (not such a file)."""
+    ValueError if a code falls outside 0..63 (not such a file). Made a
+    slice of rows at a time (`_ROWS_AT_ONCE` weights), so that the float
+    values it finds the codes from never exist for the whole tensor: for
+    a 49,152 x 2,048 head that was ~2 GB of passing float arrays."""
     raw = np.asarray(raw)
+    rows = raw.shape[0]
+    k = raw.shape[1] // _BYTES[qtype_name] * _WEIGHTS[qtype_name]
+    u = np.empty((rows, k), dtype=np.uint8)
+    d = np.empty((rows, k // GROUP), dtype=np.float32)
+    m = np.empty((rows, k // GROUP), dtype=np.float32)
+    step = max(1, _ROWS_AT_ONCE // max(k, 1))
+    for r0 in range(0, rows, step):
+        at = slice(r0, min(rows, r0 + step))
+        u[at], d[at], m[at] = _codes6(raw[at], qtype_name)
+    return Int6Parts(torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m))
+
+
+_ROWS_AT_ONCE = 1 << 20  # weights a slice of `parts_from_gguf6` finds the codes of
+
+
+def _codes6(raw: np.ndarray, qtype_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`parts_from_gguf6` for one slice of rows: u [rows, K] uint8, d and m [rows, K / 16]."""
     rows = raw.shape[0]
     qtype = gguf.GGMLQuantizationType[qtype_name]
     w = gguf.quants.dequantize(raw, qtype).reshape(rows, -1)
@@ -93,10 +113,9 @@ def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
     groups = w.reshape(rows, k // GROUP, GROUP)
     with np.errstate(divide="ignore", invalid="ignore"):
         u = np.where(exact_d[..., None] != 0, np.round((groups - exact_m[..., None]) / exact_d[..., None]), 0.0)
-    if u.min() < 0 or u.max() > 63:
+    if u.size and (u.min() < 0 or u.max() > 63):
         raise ValueError(f"{qtype_name}: codes outside 0..63")
-    d, m = _f16(exact_d), _f16(exact_m)
-    return Int6Parts(torch.from_numpy(u.astype(np.uint8).reshape(rows, k)), torch.from_numpy(d), torch.from_numpy(m))
+    return u.astype(np.uint8).reshape(rows, k), _f16(exact_d), _f16(exact_m)
 
 
 @attrs.frozen
@@ -119,6 +138,25 @@ def pack_int6_q8(parts: Int6Parts, *, symmetric: bool | None = None) -> Int6Pack
     n, k = u.shape
     if n % 16 or k % 32:
         raise ValueError(f"int6_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    d, m = parts.d.numpy(), parts.m.numpy()
+    exact = bool(np.array_equal(m, np.float32(-32.0) * d))
+    if symmetric and not exact:
+        raise ValueError("a symmetric 6-bit pack needs m = -32 d in every group")
+    symmetric = exact if symmetric is None else symmetric
+    # Whole groups of tiles a slice, so that the passing copies stay small.
+    step = 16 * TILE_GROUPS * max(1, _ROWS_AT_ONCE // (16 * TILE_GROUPS * k))
+    pieces = [_pack6_rows(u[r0 : r0 + step], d[r0 : r0 + step], m[r0 : r0 + step], symmetric) for r0 in range(0, n, step)]
+    packed = np.concatenate([p for p, _ in pieces])
+    scales = np.concatenate([s for _, s in pieces])
+    return Int6Pack(
+        torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k, symmetric
+    )
+
+
+def _pack6_rows(u: np.ndarray, d: np.ndarray, m: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`pack_int6_q8`'s bytes and scales for rows that are whole groups of
+    tiles (or the last rows), in the order the kernel reads them."""
+    n, k = u.shape
     nb = k // 32
     q = u.reshape(n // 16, 16, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)  # tile, block, half, quad, column, e
     planes = np.stack(
@@ -129,20 +167,13 @@ def pack_int6_q8(parts: Int6Parts, *, symmetric: bool | None = None) -> Int6Pack
         ],
         axis=3,
     ).astype(np.uint8)  # tile, block, half, plane, column, e: 384 bytes a tile and block
-    d, m = parts.d.numpy(), parts.m.numpy()
-    exact = bool(np.array_equal(m, np.float32(-32.0) * d))
-    if symmetric and not exact:
-        raise ValueError("a symmetric 6-bit pack needs m = -32 d in every group")
-    symmetric = exact if symmetric is None else symmetric
     which = [d] if symmetric else [d, m]
     both = np.stack(which).astype(np.float16)  # which, n, k/16
     both = both.reshape(len(which), n // 16, 16, nb, 2).transpose(1, 3, 4, 0, 2)  # tile, block, half, which, column
     groups = range(0, n // 16, TILE_GROUPS)
     packed = np.concatenate([planes[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4, 5).reshape(-1) for t in groups])
     scales = np.concatenate([both[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
-    return Int6Pack(
-        torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k, symmetric
-    )
+    return packed, scales
 
 
 def sums16(x: torch.Tensor) -> torch.Tensor:
