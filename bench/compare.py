@@ -188,14 +188,28 @@ class Server:
             proc.wait(timeout=STOP_GRACE_S)
 
     def peak_rss_mb(self) -> float | None:
-        """The server process's peak resident memory so far (VmHWM), in MB;
-        None where /proc does not say."""
+        """The server's peak resident memory so far, in MB: the sum of VmHWM
+        over the processes of its process group (a server such as vLLM runs
+        its engine in a child process; each one's peak is counted, so pages
+        two of them share count twice); None where /proc does not say."""
         try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+            pgid = os.getpgid(self.proc.pid)
         except (OSError, AttributeError):
             return None
-        line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
-        return None if line is None else round(int(line.split()[1]) / 1024, 1)
+        total = None
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != pgid:
+                    continue
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
+            if line is not None:
+                total = (total or 0) + int(line.split()[1])
+        return None if total is None else round(total / 1024, 1)
 
     def log_tail(self) -> str:
         try:

@@ -15,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,24 @@ def test_placeholders_fill_every_word_and_leave_other_braces(compare):
     argv = compare.expand("srv --port={port} -m '{model}' -t {threads} --json '{\"a\": 1}'",
                           port=1234, model="/m dir/x.gguf", threads=2, extra=["--flag", "{port}"])
     assert argv == ["srv", "--port=1234", "-m", "/m dir/x.gguf", "-t", "2", "--json", '{"a": 1}', "--flag", "1234"]
+
+
+def test_peak_memory_counts_a_servers_child_processes(compare, tmp_path):
+    """A server that runs its engine in a child process (vLLM does) is
+    measured whole: the child's peak is in the figure, not only the parent's."""
+    child = "import sys, time; b = bytearray(200 << 20); sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(60)"
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE); "
+              "p.stdout.readline(); open(sys.argv[1], 'w').write('up'); time.sleep(60)")
+    flag = tmp_path / "up"
+    server = compare.Server("peer", [sys.executable, "-c", parent, str(flag)], 0, tmp_path / "log")
+    server.start()
+    try:
+        for _ in range(600):  # up to 30 s for two Python starts
+            if flag.exists() or server.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert flag.exists(), (tmp_path / "log").read_text()
+        assert server.peak_rss_mb() >= 200, server.peak_rss_mb()
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
