@@ -1349,6 +1349,26 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
  * (8 outputs, one register) for up to four rows over every block, which
  * keeps 4 sums, 4 accumulators, the codes and the broadcast inputs within
  * the 16 registers. */
+#ifndef HAVE_PREFETCH
+/* The AVX-512 build's plan (above) for the other builds: the next group
+ * of tiles' weights fetched a few lines per block while this one is read
+ * (its passes read each tile's blocks at a stride of three tiles, which
+ * the hardware prefetchers follow less well than one stream). Changes no
+ * result. */
+#define HAVE_PREFETCH 1
+typedef struct {
+    const char *at, *end;
+    int64_t step;
+} Prefetch;
+static inline Prefetch prefetch_plan(const void *next, int64_t bytes, int64_t iterations) {
+    Prefetch plan = {next, next ? (const char *)next + bytes : NULL, 0};
+    if (next && iterations > 0) plan.step = ((bytes + iterations - 1) / iterations + 63) / 64 * 64;
+    return plan;
+}
+static inline __attribute__((always_inline)) void prefetch_some(Prefetch *ahead) {
+    for (int64_t i = 0; i < ahead->step && ahead->at < ahead->end; i += 64, ahead->at += 64) __builtin_prefetch(ahead->at, 0, 3);
+}
+#endif
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || NEON_DOT
 #if NEON_DOT
@@ -1503,11 +1523,12 @@ static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, cons
 static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                            const float *xd, const float *xs, void *out, int64_t nb,
                                                            int64_t k, int64_t n, const int rows, const int tiles,
-                                                           const int c, const int bf16_out) {
+                                                           const int c, const int bf16_out, Prefetch *ahead) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[A2_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
         const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK;
         __m256i s16[A2_ROWS][2];
         for (int r = 0; r < rows; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
@@ -1588,18 +1609,8 @@ static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float
 #else
 #define A2_PASS(R)                                                                                   \
     case R:                                                                                          \
-        for (int c = 0; c < tiles; c++) a2_pass16(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, bf16_out); \
+        for (int c = 0; c < tiles; c++) a2_pass16(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, bf16_out, ahead); \
         break;
-#endif
-
-#ifndef HAVE_PREFETCH
-typedef struct {
-    int none;
-} Prefetch;
-static inline Prefetch prefetch_plan(const void *next, int64_t bytes, int64_t iterations) {
-    (void)next, (void)bytes, (void)iterations;
-    return (Prefetch){0};
-}
 #endif
 
 /* This build's pieces of `trioserve_int4_q8_matmul` (the one driver below). */
