@@ -59,6 +59,26 @@ const char *trioserve_isa(void) {
 }
 #define MAX_THREADS 64
 
+/* The next panel's (or group of tiles') weights, fetched into cache a few
+ * lines per block while this one's rows are computed from it: after the
+ * first pass a panel is in cache and the memory would idle, and the AVX2
+ * passes read each tile at a stride of three tiles, which the hardware
+ * prefetchers follow less well than one stream. Changes no result. */
+typedef struct {
+    const char *at, *end;
+    int64_t step;
+} Prefetch;
+
+static inline Prefetch prefetch_plan(const void *next, int64_t bytes, int64_t iterations) {
+    Prefetch plan = {next, next ? (const char *)next + bytes : NULL, 0};
+    if (next && iterations > 0) plan.step = ((bytes + iterations - 1) / iterations + 63) / 64 * 64;
+    return plan;
+}
+
+static inline __attribute__((always_inline)) void prefetch_some(Prefetch *ahead) {
+    for (int64_t i = 0; i < ahead->step && ahead->at < ahead->end; i += 64, ahead->at += 64) __builtin_prefetch(ahead->at, 0, 3);
+}
+
 static inline float bf16_to_float(uint16_t b) {
     uint32_t bits = (uint32_t)b << 16;
     float f;
@@ -886,26 +906,6 @@ static inline __attribute__((always_inline)) __m512 dot_pair(__m512 acc, __m512b
     return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(pair));
 }
 
-/* The next panel's weights, fetched into cache a few lines per block while
- * the rows of this panel are computed from it (after the first pass this
- * panel is in L1 and the memory would idle). Changes no result. */
-#define HAVE_PREFETCH 1
-typedef struct {
-    const char *at, *end;
-    int64_t step;
-} Prefetch;
-
-static inline Prefetch prefetch_plan(const void *next, int64_t bytes, int64_t iterations) {
-    Prefetch plan = {next, next ? (const char *)next + bytes : NULL, 0};
-    if (next && iterations > 0) plan.step = ((bytes + iterations - 1) / iterations + 63) / 64 * 64;
-    return plan;
-}
-
-static inline __attribute__((always_inline)) void prefetch_some(Prefetch *ahead) {
-    for (int64_t i = 0; i < ahead->step && ahead->at < ahead->end; i += 64, ahead->at += 64)
-        _mm_prefetch(ahead->at, _MM_HINT_T0);
-}
-
 static inline __attribute__((always_inline)) void q4_panel_rows(const uint8_t *w, const uint16_t *sc, const uint16_t *x,
                                                               const float *xsum, void *out, int64_t nb, int64_t k,
                                                               int64_t n, const int rows, const int bf16_out,
@@ -1349,26 +1349,6 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
  * (8 outputs, one register) for up to four rows over every block, which
  * keeps 4 sums, 4 accumulators, the codes and the broadcast inputs within
  * the 16 registers. */
-#ifndef HAVE_PREFETCH
-/* The AVX-512 build's plan (above) for the other builds: the next group
- * of tiles' weights fetched a few lines per block while this one is read
- * (its passes read each tile's blocks at a stride of three tiles, which
- * the hardware prefetchers follow less well than one stream). Changes no
- * result. */
-#define HAVE_PREFETCH 1
-typedef struct {
-    const char *at, *end;
-    int64_t step;
-} Prefetch;
-static inline Prefetch prefetch_plan(const void *next, int64_t bytes, int64_t iterations) {
-    Prefetch plan = {next, next ? (const char *)next + bytes : NULL, 0};
-    if (next && iterations > 0) plan.step = ((bytes + iterations - 1) / iterations + 63) / 64 * 64;
-    return plan;
-}
-static inline __attribute__((always_inline)) void prefetch_some(Prefetch *ahead) {
-    for (int64_t i = 0; i < ahead->step && ahead->at < ahead->end; i += 64, ahead->at += 64) __builtin_prefetch(ahead->at, 0, 3);
-}
-#endif
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || NEON_DOT
 #if NEON_DOT
