@@ -26,6 +26,7 @@ GROUP = 16
 TILE_GROUPS = 3  # tiles of 16 outputs per group in the kernel's layout (I6_TILES in the C source)
 _BYTES = {"Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24}
 _WEIGHTS = {"Q6_K": 256, "Q5_K": 256, "Q5_0": 32, "Q5_1": 32}
+_ROWS_AT_ONCE = 1 << 20  # weights a slice of `parts_from_gguf6` and `pack_int6_q8` works on
 
 
 @attrs.frozen
@@ -85,9 +86,6 @@ def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
     return Int6Parts(torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m))
 
 
-_ROWS_AT_ONCE = 1 << 20  # weights a slice of `parts_from_gguf6` finds the codes of
-
-
 def _codes6(raw: np.ndarray, qtype_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`parts_from_gguf6` for one slice of rows: u [rows, K] uint8, d and m [rows, K / 16]."""
     rows = raw.shape[0]
@@ -145,12 +143,17 @@ def pack_int6_q8(parts: Int6Parts, *, symmetric: bool | None = None) -> Int6Pack
     symmetric = exact if symmetric is None else symmetric
     # Whole groups of tiles a slice, so that the passing copies stay small.
     step = 16 * TILE_GROUPS * max(1, _ROWS_AT_ONCE // (16 * TILE_GROUPS * k))
-    pieces = [_pack6_rows(u[r0 : r0 + step], d[r0 : r0 + step], m[r0 : r0 + step], symmetric) for r0 in range(0, n, step)]
-    packed = np.concatenate([p for p, _ in pieces])
-    scales = np.concatenate([s for _, s in pieces])
-    return Int6Pack(
-        torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k, symmetric
-    )
+    # Each slice's bytes and scales follow the last one's, written in place.
+    packed = np.empty(n * k * 3 // 4, dtype=np.uint8)
+    scales = np.empty(n * k // GROUP * (1 if symmetric else 2), dtype=np.float16)
+    at_bytes = at_scales = 0
+    for r0 in range(0, n, step):
+        piece, piece_scales = _pack6_rows(u[r0 : r0 + step], d[r0 : r0 + step], m[r0 : r0 + step], symmetric)
+        packed[at_bytes : at_bytes + piece.size] = piece
+        scales[at_scales : at_scales + piece_scales.size] = piece_scales
+        at_bytes, at_scales = at_bytes + piece.size, at_scales + piece_scales.size
+    assert at_bytes == packed.size and at_scales == scales.size
+    return Int6Pack(torch.from_numpy(packed), torch.from_numpy(scales.view(np.uint16)), n, k, symmetric)
 
 
 def _pack6_rows(u: np.ndarray, d: np.ndarray, m: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
