@@ -2,7 +2,8 @@
 
 Runs decode steps of 1, 8 and 32 rows (256 tokens of context each) and one
 512-token prefill of the default model through the forward the server uses
-(bfloat16 weights, 4-bit projections for generated tokens, batch-invariant
+(the served dtype: bfloat16 where the CPU multiplies it natively, else
+float32, as ``--dtype auto``; 4-bit projections for generated tokens, batch-invariant
 arithmetic unless ``--no-batch-invariant``), under ``torch.profiler``. Each
 part of the forward is labelled with ``record_function`` by wrapping it
 from here (the model itself carries no profiling hooks), and the table
@@ -46,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from trioserve.kernels import int4 as int4_mod
 from trioserve.kernels import native, reference
+from trioserve.kernels.cpu import auto_dtype
 from trioserve.models import step as step_mod
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
@@ -157,11 +159,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     parser.add_argument("--no-batch-invariant", dest="invariant", action="store_false")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    checkpoint = load_checkpoint(args.model, dtype=torch.bfloat16)
+    dtype = auto_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    checkpoint = load_checkpoint(args.model, dtype=dtype)
     model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=args.invariant)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -169,7 +173,7 @@ def main() -> None:
     cache = model.new_kv_cache(pool.num_blocks, BLOCK)
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, batch_invariant={args.invariant}"
+        f"{torch.get_num_threads()} threads, {dtype}, batch_invariant={args.invariant}"
     )
     results = {}
     for rows in ROWS:

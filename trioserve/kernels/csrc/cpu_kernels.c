@@ -326,11 +326,22 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
     float qf[MAX_GROUP][LANES * 16] __attribute__((aligned(32)));
     for (int64_t j = 0; j < group; j++)
         for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
+    const int64_t es = kv_bf16 ? 2 : 4, lines = (bs * dim * es + 63) / 64;
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim;
         const int64_t end = len - t0 < bs ? len - t0 : bs;
+        /* The blocks lie apart in the pool, so the hardware's prefetchers
+         * stop at each: the next block's keys and this block's values are
+         * fetched a few lines a key (the values for the loop below). */
+        const char *k_next = t0 + bs < len ? (const char *)job->k + (g * job->num_blocks + table[t0 / bs + 1]) * bs * dim * es : NULL;
+        const char *v_here = (const char *)job->v + base * es;
+        const int64_t per_key = (lines + end - 1) / end;
         for (int64_t u = 0; u < end; u++) {
             const int64_t at = base + u * dim;
+            for (int64_t i = u * per_key; i < (u + 1) * per_key && i < lines; i++) {
+                if (k_next) __builtin_prefetch(k_next + i * 64, 0, 3);
+                __builtin_prefetch(v_here + i * 64, 0, 2);
+            }
             for (int64_t j = 0; j < group; j++) {
                 __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
                 for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
