@@ -1460,6 +1460,14 @@ static inline __attribute__((always_inline)) __m256i a2_dot(__m256i acc, __m256i
 #endif
 }
 
+/* Says the accumulator is needed in a register now: an empty asm the
+ * compiler cannot see through. Without it, GCC (12, -O3) computes a whole
+ * block's `vpmaddubsw` products first, spills them to the stack (63 stores
+ * a block in the 4-row pass) and sums them at the end; with it each product
+ * is added as it comes. Integer sums, so no result changes: the 4-bit
+ * kernel at 32-512 rows 250-270 -> 330-370 G int8 ops/s on two cores. */
+#define A2_KEEP(v) __asm__("" : "+x"(v))
+
 static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
@@ -1536,6 +1544,8 @@ static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, co
                 const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
                 s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
                 s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
+                A2_KEEP(s16[r][0]);
+                A2_KEEP(s16[r][1]);
             }
         }
         const uint16_t *s = sc + (b * tiles + c) * 32;
@@ -1950,6 +1960,7 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
                     const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(quad[0])),
                                                           _mm256_maddubs_epi16(v1, _mm256_set1_epi32(quad[1])));
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, _mm256_set1_epi16(1)));
+                    A2_KEEP(isum[r]);
                 }
             }
 #endif
@@ -2000,6 +2011,7 @@ static inline __attribute__((always_inline)) void i8_half_pass(const int8_t *w, 
                 int32_t quad;
                 memcpy(&quad, xq + r * k + b * I6_BLOCK + 4 * j, sizeof quad);
                 isum[r] = a2_dot(isum[r], mag, _mm256_sign_epi8(_mm256_set1_epi32(quad), v));
+                A2_KEEP(isum[r]);
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (b * tiles + c) * 16 + h8 * 8)));
