@@ -1373,11 +1373,12 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
 static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int c, const int h, const int bf16_out) {
+                                                         const int c, const int h, const int bf16_out, Prefetch *ahead) {
     const uint8x16_t nibble = vdupq_n_u8(0x0F);
     float32x4_t acc[A2_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0.0f);
     for (int64_t b = 0; b < nb; b++) {
+        if (ahead) prefetch_some(ahead);
         const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK + h * 32;
         int32x4_t isum[A2_ROWS][2];
         for (int r = 0; r < rows; r++) isum[r][0] = isum[r][1] = vdupq_n_s32(0);
@@ -1471,11 +1472,12 @@ static inline __attribute__((always_inline)) __m256i a2_dot(__m256i acc, __m256i
 static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int c, const int h, const int bf16_out) {
+                                                         const int c, const int h, const int bf16_out, Prefetch *ahead) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[A2_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (ahead) prefetch_some(ahead);
         const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK + h * 32;
         __m256i isum[A2_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
@@ -1574,6 +1576,73 @@ static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, co
 }
 #endif
 
+/* One row (a decode step's projections): every tile of the group in one
+ * pass, block by block, so the group's weights are read front to back as
+ * one stream, with the next group prefetched as the 4-row passes do (those
+ * read each tile at a stride of three tiles). Per tile and half, the same
+ * integer sums and the same float steps as `a2_pass16` (or `a2_pass` with
+ * AVX-VNNI), so the same bits. */
+static inline __attribute__((always_inline)) void a2_row1(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         const int tiles, const int bf16_out, Prefetch *ahead) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[A2_TILES][2];
+    for (int c = 0; c < tiles; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
+        const __m256 dx = _mm256_set1_ps(xd[b]), sx = _mm256_set1_ps(xs[b]);
+        for (int c = 0; c < tiles; c++) {
+            const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK;
+            __m256i isum[2];
+#if defined(__AVXVNNI__)
+            isum[0] = isum[1] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                int32_t first, second;
+                memcpy(&first, xq + b * A2_BLOCK + 4 * j, sizeof first);
+                memcpy(&second, xq + b * A2_BLOCK + 16 + 4 * j, sizeof second);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
+                    isum[h] = a2_dot(isum[h], _mm256_and_si256(v, nibble), _mm256_set1_epi32(first));
+                    isum[h] = a2_dot(isum[h], _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), _mm256_set1_epi32(second));
+                }
+            }
+#else
+            __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int j = 0; j < 4; j++) {
+                int32_t first, second;
+                memcpy(&first, xq + b * A2_BLOCK + 4 * j, sizeof first);
+                memcpy(&second, xq + b * A2_BLOCK + 16 + 4 * j, sizeof second);
+                const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
+                    const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                    s16[h] = _mm256_add_epi16(s16[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
+                    A2_KEEP(s16[h]);
+                }
+            }
+            for (int h = 0; h < 2; h++) isum[h] = _mm256_madd_epi16(s16[h], _mm256_set1_epi16(1));
+#endif
+            const uint16_t *s = sc + (b * tiles + c) * 32;
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + h * 8)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 + h * 8)));
+                acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_mul_ps(d, dx), acc[c][h]);
+                acc[c][h] = _mm256_fmadd_ps(m, sx, acc[c][h]);
+            }
+        }
+    }
+    for (int c = 0; c < tiles; c++)
+        for (int h = 0; h < 2; h++) {
+            if (bf16_out) {
+                float f[8];
+                _mm256_storeu_ps(f, acc[c][h]);
+                for (int i = 0; i < 8; i++) ((uint16_t *)out)[c * 16 + h * 8 + i] = float_to_bf16(f[i]);
+            } else {
+                _mm256_storeu_ps((float *)out + c * 16 + h * 8, acc[c][h]);
+            }
+        }
+}
+
 /* `q8a_block` on 256-bit registers: the same xq, xd and xs bits. */
 static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float *xs) {
     __m256 v[4];
@@ -1605,7 +1674,8 @@ static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float
 #define A2_PASS(R)                                                                                   \
     case R:                                                                                          \
         for (int c = 0; c < tiles; c++)                                                               \
-            for (int h = 0; h < 2; h++) a2_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, h, bf16_out); \
+            for (int h = 0; h < 2; h++)                                                               \
+                a2_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, c, h, bf16_out, c + h ? NULL : ahead); \
         break;
 #else
 #define A2_PASS(R)                                                                                   \
@@ -1619,12 +1689,17 @@ static inline void a2_q8_block(const uint16_t *src, int8_t *xq, float *xd, float
 #define q8act_block a2_q8_block
 static void q8act_rows(const uint8_t *w, const uint16_t *sc, const int8_t *xr, const float *xdr, const float *xsr,
                        void *o, int64_t nb, int64_t k, int64_t n, int rows, int tiles, int bf16_out, Prefetch *ahead) {
-    (void)ahead;
     switch (rows) {
         A2_PASS(4)
         A2_PASS(3)
         A2_PASS(2)
+#if defined(__AVX2__)
+    case 1:
+        a2_row1(w, sc, xr, xdr, xsr, o, nb, tiles, bf16_out, ahead);
+        break;
+#else
         A2_PASS(1)
+#endif
     }
 }
 #endif
