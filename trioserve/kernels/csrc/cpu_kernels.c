@@ -1827,11 +1827,12 @@ static inline __attribute__((always_inline)) __m512i six16(__m512i low, __m512i 
 static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int bf16_out, const int sym) {
+                                                         const int bf16_out, const int sym, Prefetch *ahead) {
     __m512 acc[I6_ROWS][I6_TILES];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
         for (int half = 0; half < 2; half++) {
             __m512i isum[I6_ROWS][I6_TILES];
             for (int r = 0; r < rows; r++)
@@ -1871,12 +1872,13 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
  * sign flipped where w < 0, so vpdpbusd sums w x exactly. */
 static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
-                                                         const int rows, const int tiles, const int bf16_out) {
+                                                         const int rows, const int tiles, const int bf16_out, Prefetch *ahead) {
     __m512 acc[I6_ROWS][I6_TILES];
     const __m512i zero = _mm512_setzero_si512();
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < tiles; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
         __m512i isum[I6_ROWS][I6_TILES];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < tiles; c++) isum[r][c] = zero;
@@ -1919,12 +1921,13 @@ static inline __attribute__((always_inline)) uint8x16_t six4(uint8x16_t low, uin
 static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int bf16_out, const int sym) {
+                                                         const int bf16_out, const int sym, Prefetch *ahead) {
     for (int c = 0; c < tiles; c++)
         for (int q4 = 0; q4 < 4; q4++) { /* four outputs at a time */
             float32x4_t acc[I6_ROWS];
             for (int r = 0; r < rows; r++) acc[r] = vdupq_n_f32(0.0f);
-            for (int64_t b = 0; b < nb; b++)
+            for (int64_t b = 0; b < nb; b++) {
+                if (c + q4 == 0) prefetch_some(ahead); /* the next group, during the first pass */
                 for (int half = 0; half < 2; half++) {
                     int32x4_t isum[I6_ROWS];
                     for (int r = 0; r < rows; r++) isum[r] = vdupq_n_s32(0);
@@ -1946,6 +1949,7 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
                         acc[r] = vfmaq_f32(acc[r], m, vdupq_n_f32(xs[(r * nb + b) * 2 + half]));
                     }
                 }
+            }
             const int64_t col = c * 16 + q4 * 4;
             for (int r = 0; r < rows; r++) {
                 if (bf16_out) {
@@ -1961,12 +1965,13 @@ static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, cons
 /* Signed 8-bit codes (Q8_0): sdot takes both signed. */
 static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
-                                                         const int rows, const int tiles, const int bf16_out) {
+                                                         const int rows, const int tiles, const int bf16_out, Prefetch *ahead) {
     for (int c = 0; c < tiles; c++)
         for (int q4 = 0; q4 < 4; q4++) {
             float32x4_t acc[I6_ROWS];
             for (int r = 0; r < rows; r++) acc[r] = vdupq_n_f32(0.0f);
             for (int64_t b = 0; b < nb; b++) {
+                if (c + q4 == 0) prefetch_some(ahead);
                 int32x4_t isum[I6_ROWS];
                 for (int r = 0; r < rows; r++) isum[r] = vdupq_n_s32(0);
                 for (int j = 0; j < 8; j++) {
@@ -2001,123 +2006,202 @@ static inline __attribute__((always_inline)) __m256i six8(__m256i low, __m256i t
     const __m256i hi = j == 0 ? _mm256_slli_epi16(top, 4) : j == 1 ? _mm256_slli_epi16(top, 2) : j == 2 ? top : _mm256_srli_epi16(top, 2);
     return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
 }
+/* Row r's integer sum, for rows 0 .. rows - 1, of one half block (16
+ * inputs) of 8 columns: `at` the half's codes for those columns, `xr` the
+ * rows' inputs of that half (row stride k). Added to isum[r]. */
+static inline __attribute__((always_inline)) void i6_half_sums(const uint8_t *at, const int8_t *xr, int64_t k, const int rows,
+                                                              __m256i *isum) {
+    const __m256i top = _mm256_loadu_si256((const __m256i *)(at + 128));
+#if defined(__AVXVNNI__)
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = six8(_mm256_loadu_si256((const __m256i *)(at + (j >> 1) * 64)), top, j);
+        for (int r = 0; r < rows; r++) {
+            int32_t quad;
+            memcpy(&quad, xr + r * k + 4 * j, sizeof quad);
+            isum[r] = a2_dot(isum[r], v, _mm256_set1_epi32(quad));
+        }
+    }
+#else
+    /* Two quads' `vpmaddubsw` results summed in int16 before one
+     * `vpmaddwd`: each is at most 2 x 63 x 128 = 16,128 in size, two
+     * 32,256, so the int32 sums are the VNNI build's. */
+    for (int j = 0; j < 4; j += 2) {
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(at + (j >> 1) * 64));
+        const __m256i v0 = six8(low, top, j), v1 = six8(low, top, j + 1);
+        for (int r = 0; r < rows; r++) {
+            int32_t quad[2];
+            memcpy(quad, xr + r * k + 4 * j, sizeof quad);
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(quad[0])),
+                                                  _mm256_maddubs_epi16(v1, _mm256_set1_epi32(quad[1])));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, _mm256_set1_epi16(1)));
+            A2_KEEP(isum[r]);
+        }
+    }
+#endif
+}
+
+/* A half block's scaling, in the order the comment above the kernel gives. */
+static inline __attribute__((always_inline)) __m256 i6_scale(__m256 acc, __m256i isum, __m256 d, __m256 m, float xd, float xs) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(xs), acc);
+}
+
+/* d and m of half `half`, columns 8 h8 .. 8 h8 + 7, of tile-block tb. */
+static inline __attribute__((always_inline)) void i6_dm(const uint16_t *sc, int64_t tb, int half, int h8, const int sym, __m256 *d,
+                                                       __m256 *m) {
+    const uint16_t *s = i6_scales(sc, tb, half, sym) + h8 * 8;
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+    *m = sym ? _mm256_mul_ps(*d, _mm256_set1_ps(-32.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+}
+
+/* Row r's 8 outputs from col on, fp32 or rounded to bf16. */
+static inline void a2_store8(void *out, int64_t at, __m256 v, const int bf16_out) {
+    if (bf16_out) {
+        float f[8];
+        _mm256_storeu_ps(f, v);
+        for (int i = 0; i < 8; i++) ((uint16_t *)out)[at + i] = float_to_bf16(f[i]);
+    } else {
+        _mm256_storeu_ps((float *)out + at, v);
+    }
+}
+
 static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                               const float *xd, const float *xs, void *out, int64_t nb,
                                                               int64_t k, int64_t n, const int rows, const int tiles,
-                                                              const int c, const int h8, const int bf16_out, const int sym) {
+                                                              const int c, const int h8, const int bf16_out, const int sym,
+                                                              Prefetch *ahead) {
     __m256 acc[I6_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (ahead) prefetch_some(ahead);
         for (int half = 0; half < 2; half++) {
             __m256i isum[I6_ROWS];
             for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
-            const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF + h8 * 32;
-            const __m256i top = _mm256_loadu_si256((const __m256i *)(at + 128));
-#if defined(__AVXVNNI__)
-            for (int j = 0; j < 4; j++) {
-                const __m256i v = six8(_mm256_loadu_si256((const __m256i *)(at + (j >> 1) * 64)), top, j);
-                for (int r = 0; r < rows; r++) {
-                    int32_t quad;
-                    memcpy(&quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
-                    isum[r] = a2_dot(isum[r], v, _mm256_set1_epi32(quad));
-                }
-            }
-#else
-            /* Two quads' `vpmaddubsw` results summed in int16 before one
-             * `vpmaddwd`: each is at most 2 x 63 x 128 = 16,128 in size, two
-             * 32,256, so the int32 sums are the VNNI build's. */
-            for (int j = 0; j < 4; j += 2) {
-                const __m256i low = _mm256_loadu_si256((const __m256i *)(at + (j >> 1) * 64));
-                const __m256i v0 = six8(low, top, j), v1 = six8(low, top, j + 1);
-                for (int r = 0; r < rows; r++) {
-                    int32_t quad[2];
-                    memcpy(quad, xq + r * k + b * I6_BLOCK + 16 * half + 4 * j, sizeof quad);
-                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(quad[0])),
-                                                          _mm256_maddubs_epi16(v1, _mm256_set1_epi32(quad[1])));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, _mm256_set1_epi16(1)));
-                    A2_KEEP(isum[r]);
-                }
-            }
-#endif
-            const uint16_t *s = i6_scales(sc, b * tiles + c, half, sym) + h8 * 8;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
-            const __m256 m = sym ? _mm256_mul_ps(d, _mm256_set1_ps(-32.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
-            for (int r = 0; r < rows; r++) {
-                const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dx, acc[r]);
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r * nb + b) * 2 + half]), acc[r]);
-            }
+            i6_half_sums(w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF + h8 * 32, xq + b * I6_BLOCK + 16 * half, k, rows, isum);
+            __m256 d, m;
+            i6_dm(sc, b * tiles + c, half, h8, sym, &d, &m);
+            for (int r = 0; r < rows; r++) acc[r] = i6_scale(acc[r], isum[r], d, m, xd[r * nb + b], xs[(r * nb + b) * 2 + half]);
         }
     }
-    const int64_t col = c * 16 + h8 * 8;
-    for (int r = 0; r < rows; r++) {
-        if (bf16_out) {
-            float f[8];
-            _mm256_storeu_ps(f, acc[r]);
-            for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
-        } else {
-            _mm256_storeu_ps((float *)out + r * n + col, acc[r]);
-        }
-    }
+    for (int r = 0; r < rows; r++) a2_store8(out, r * n + c * 16 + h8 * 8, acc[r], bf16_out);
 }
+
+/* One row: every tile and both halves of its columns in one pass, block by
+ * block, so the group is read front to back as one stream (see `a2_row1`);
+ * per tile, half and 8 columns the same operations as `i6_half_pass`. */
+static inline __attribute__((always_inline)) void i6_row1(const uint8_t *w, const uint16_t *sc, const int8_t *xq, const float *xd,
+                                                         const float *xs, void *out, int64_t nb, const int tiles,
+                                                         const int bf16_out, const int sym, Prefetch *ahead) {
+    __m256 acc[I6_TILES][2];
+    for (int c = 0; c < tiles; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
+        for (int half = 0; half < 2; half++)
+            for (int c = 0; c < tiles; c++)
+                for (int h8 = 0; h8 < 2; h8++) {
+                    __m256i isum = _mm256_setzero_si256();
+                    i6_half_sums(w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF + h8 * 32, xq + b * I6_BLOCK + 16 * half, 0, 1,
+                                 &isum);
+                    __m256 d, m;
+                    i6_dm(sc, b * tiles + c, half, h8, sym, &d, &m);
+                    acc[c][h8] = i6_scale(acc[c][h8], isum, d, m, xd[b], xs[b * 2 + half]);
+                }
+    }
+    for (int c = 0; c < tiles; c++)
+        for (int h8 = 0; h8 < 2; h8++) a2_store8(out, c * 16 + h8 * 8, acc[c][h8], bf16_out);
+}
+
 static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
-                                                         const int bf16_out, const int sym) {
+                                                         const int bf16_out, const int sym, Prefetch *ahead) {
+    if (rows == 1) {
+        i6_row1(w, sc, xq, xd, xs, out, nb, tiles, bf16_out, sym, ahead);
+        return;
+    }
     for (int c = 0; c < tiles; c++)
-        for (int h8 = 0; h8 < 2; h8++) i6_half_pass(w, sc, xq, xd, xs, out, nb, k, n, rows, tiles, c, h8, bf16_out, sym);
+        for (int h8 = 0; h8 < 2; h8++)
+            i6_half_pass(w, sc, xq, xd, xs, out, nb, k, n, rows, tiles, c, h8, bf16_out, sym, c + h8 ? NULL : ahead);
 }
+
 /* Signed 8-bit codes (Q8_0): |w| as the unsigned operand and the input's
  * sign flipped where w < 0 (zeroed where w = 0), so vpmaddubsw cannot
- * saturate (two products sum to at most 2 x 128 x 127) and the sum is w x. */
+ * saturate (two products sum to at most 2 x 128 x 127) and the sum is w x.
+ * Row r's integer sum of one block of 8 columns (`at` the block's codes for
+ * them, `xr` the rows' inputs of the block, row stride k), added to isum[r]. */
+static inline __attribute__((always_inline)) void i8_block_sums(const int8_t *at, const int8_t *xr, int64_t k, const int rows,
+                                                               __m256i *isum) {
+    for (int j = 0; j < 8; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(at + j * 64));
+        const __m256i mag = _mm256_sign_epi8(v, v);
+        for (int r = 0; r < rows; r++) {
+            int32_t quad;
+            memcpy(&quad, xr + r * k + 4 * j, sizeof quad);
+            isum[r] = a2_dot(isum[r], mag, _mm256_sign_epi8(_mm256_set1_epi32(quad), v));
+            A2_KEEP(isum[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 i8_d(const uint16_t *sc, int64_t tb, int h8) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + tb * 16 + h8 * 8)));
+}
+
 static inline __attribute__((always_inline)) void i8_half_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
                                                               const float *xd, void *out, int64_t nb, int64_t k,
                                                               int64_t n, const int rows, const int tiles, const int c,
-                                                              const int h8, const int bf16_out) {
+                                                              const int h8, const int bf16_out, Prefetch *ahead) {
     __m256 acc[I6_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (ahead) prefetch_some(ahead);
         __m256i isum[I6_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * tiles + c) * I8_TILE_BLOCK + j * 64 + h8 * 32));
-            const __m256i mag = _mm256_sign_epi8(v, v);
-            for (int r = 0; r < rows; r++) {
-                int32_t quad;
-                memcpy(&quad, xq + r * k + b * I6_BLOCK + 4 * j, sizeof quad);
-                isum[r] = a2_dot(isum[r], mag, _mm256_sign_epi8(_mm256_set1_epi32(quad), v));
-                A2_KEEP(isum[r]);
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (b * tiles + c) * 16 + h8 * 8)));
+        i8_block_sums(w + (b * tiles + c) * I8_TILE_BLOCK + h8 * 32, xq + b * I6_BLOCK, k, rows, isum);
+        const __m256 d = i8_d(sc, b * tiles + c, h8);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
     }
-    const int64_t col = c * 16 + h8 * 8;
-    for (int r = 0; r < rows; r++) {
-        if (bf16_out) {
-            float f[8];
-            _mm256_storeu_ps(f, acc[r]);
-            for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
-        } else {
-            _mm256_storeu_ps((float *)out + r * n + col, acc[r]);
-        }
-    }
+    for (int r = 0; r < rows; r++) a2_store8(out, r * n + c * 16 + h8 * 8, acc[r], bf16_out);
 }
+
+/* One row of the 8-bit kernel, every tile in one pass (as `i6_row1`). */
+static inline __attribute__((always_inline)) void i8_row1(const int8_t *w, const uint16_t *sc, const int8_t *xq, const float *xd,
+                                                         void *out, int64_t nb, const int tiles, const int bf16_out, Prefetch *ahead) {
+    __m256 acc[I6_TILES][2];
+    for (int c = 0; c < tiles; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_some(ahead);
+        for (int c = 0; c < tiles; c++)
+            for (int h8 = 0; h8 < 2; h8++) {
+                __m256i isum = _mm256_setzero_si256();
+                i8_block_sums(w + (b * tiles + c) * I8_TILE_BLOCK + h8 * 32, xq + b * I6_BLOCK, 0, 1, &isum);
+                acc[c][h8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(i8_d(sc, b * tiles + c, h8), _mm256_set1_ps(xd[b])),
+                                             acc[c][h8]);
+            }
+    }
+    for (int c = 0; c < tiles; c++)
+        for (int h8 = 0; h8 < 2; h8++) a2_store8(out, c * 16 + h8 * 8, acc[c][h8], bf16_out);
+}
+
 static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
-                                                         const int rows, const int tiles, const int bf16_out) {
+                                                         const int rows, const int tiles, const int bf16_out, Prefetch *ahead) {
+    if (rows == 1) {
+        i8_row1(w, sc, xq, xd, out, nb, tiles, bf16_out, ahead);
+        return;
+    }
     for (int c = 0; c < tiles; c++)
-        for (int h8 = 0; h8 < 2; h8++) i8_half_pass(w, sc, xq, xd, out, nb, k, n, rows, tiles, c, h8, bf16_out);
+        for (int h8 = 0; h8 < 2; h8++) i8_half_pass(w, sc, xq, xd, out, nb, k, n, rows, tiles, c, h8, bf16_out, c + h8 ? NULL : ahead);
 }
 #define I6_QUANTIZE a2_q8_block
 #endif
 
 #if defined(I6_WIDE)
 #define I6_TILES_CASE(R, S)                                                                          \
-    if (tiles_here == 3) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out, S);               \
-    else if (tiles_here == 2) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out, S);          \
-    else i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out, S);
+    if (tiles_here == 3) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 3, bf16_out, S, &ahead);       \
+    else if (tiles_here == 2) i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 2, bf16_out, S, &ahead);  \
+    else i6_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, 1, bf16_out, S, &ahead);
 #define I6_CASE(R)                                                                                   \
     case R:                                                                                          \
         if (sym) {                                                                                   \
@@ -2129,9 +2213,9 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
 
 #define I8_CASE(R)                                                                                   \
     case R:                                                                                          \
-        if (tiles_here == 3) i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 3, bf16_out);   \
-        else if (tiles_here == 2) i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 2, bf16_out); \
-        else i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 1, bf16_out);                   \
+        if (tiles_here == 3) i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 3, bf16_out, &ahead); \
+        else if (tiles_here == 2) i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 2, bf16_out, &ahead); \
+        else i8_pass((const int8_t *)w, sc, xr, xdr, o, nb, k, n, R, 1, bf16_out, &ahead);           \
         break;
 
 int trioserve_int6_q8_available(void) { return 1; }
@@ -2168,6 +2252,9 @@ static int codes_q8_matmul(const uint8_t *packed, const uint16_t *scales, const 
             const int tiles_here = tiles - t0 < I6_TILES ? (int)(tiles - t0) : I6_TILES;
             const uint8_t *w = packed + t0 * nb * tile_block;
             const uint16_t *sc = scales + t0 * nb * scales_per_block;
+            const int64_t left = tiles - t0 - tiles_here, next_bytes = (left < I6_TILES ? left : I6_TILES) * nb * tile_block;
+            Prefetch ahead = prefetch_plan(next_bytes ? w + tiles_here * nb * tile_block : NULL, next_bytes,
+                                           ((rows + I6_ROWS - 1) / I6_ROWS) * nb);
             for (int64_t r0 = 0; r0 < rows; r0 += I6_ROWS) {
                 const int8_t *xr = xq + r0 * k;
                 const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb * 2;
