@@ -75,3 +75,26 @@ def test_the_int8_c_kernels_give_a_step_the_same_bits_on_any_thread_count(tiny_c
         torch.set_num_threads(before)
     reference = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
     assert not reference.kernels.thread_invariant and thread_governor(reference) is None
+
+
+def test_a_long_step_does_not_try_a_count_that_lost_everywhere_else():
+    """A prompt's chunk (64 tokens or more) on a quiet machine: one thread
+    lost in the decode steps, so the chunks all run on both cores but for
+    the periodic look (before, the second chunk of a size ran on one thread,
+    doubling that prompt's time to first token)."""
+    g = ThreadGovernor(2, explore_every=8)
+    _run(g, 1, {2: 0.008, 1: 0.013}, 3)
+    chunks = _run(g, 110, {2: 0.5, 1: 0.9}, 16)
+    assert chunks == [2] * 7 + [1] + [2] * 7 + [1]  # only the 8th step of the size looks at one thread
+    assert g.cost(110, 1) == pytest.approx(0.9)
+
+
+def test_a_long_step_tries_fewer_threads_at_once_where_they_won_elsewhere():
+    """A busy core: the decode steps found one thread faster, so the first
+    prompt chunk after that tries one thread at its second step, not its
+    explore_every-th."""
+    g = ThreadGovernor(2, explore_every=64)
+    _run(g, 4, {2: 0.278, 1: 0.072}, 3)
+    assert _run(g, 300, {2: 2.0, 1: 0.9}, 4) == [2, 1, 1, 1]
+    # With nothing measured anywhere, a long step starts on all the cores.
+    assert ThreadGovernor(4).choose(512) == 4

@@ -97,15 +97,20 @@ class ThreadGovernor:
     "Every CPU"). So each count's seconds per step are kept per step size
     (a power-of-two bucket of its tokens), each count is tried once, the
     fastest runs, and every ``explore_every``-th step of a size tries
-    another count, so a change in load is seen. Only for arithmetic whose
+    another count, so a change in load is seen. A size of ``cheap_tokens``
+    or more (a prompt's chunk) tries a count once only where that count won
+    in some other size: trying one thread on a quiet machine doubled such a
+    step, and with it the time to first token of whichever prompt drew it.
+    Only for arithmetic whose
     bits do not depend on the thread count (the C kernels with int8
     activations: `Kernels.thread_invariant`); a plain class with no clock
     of its own (the caller times the steps)."""
 
-    def __init__(self, most: int, explore_every: int = 64, weight: float = 0.5):
+    def __init__(self, most: int, explore_every: int = 64, weight: float = 0.5, cheap_tokens: int = 64):
         self.choices = sorted({most, most - 1, 1} - {0}, reverse=True) if most > 1 else [1]
         self.explore_every = explore_every
         self.weight = weight  # of a new measurement in a count's running average
+        self.cheap = self.bucket(cheap_tokens - 1)  # sizes up to this bucket try every count early
         self._cost: dict[tuple[int, int], float] = {}
         self._steps: dict[int, int] = {}
         self._explored: dict[int, int] = {}
@@ -119,16 +124,25 @@ class ThreadGovernor:
         b = self.bucket(tokens)
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
-        untried = [t for t in self.choices if (b, t) not in self._cost]
-        if untried:
-            return untried[0]
-        best = min(self.choices, key=lambda t: self._cost[b, t])
+        tried = [t for t in self.choices if (b, t) in self._cost]
+        for t in self.choices:
+            if (b, t) not in self._cost and (not tried or b <= self.cheap or self._won_elsewhere(t, b)):
+                return t
+        best = min(tried, key=lambda t: self._cost[b, t])
         if n % self.explore_every == self.explore_every - 1:
             others = [t for t in self.choices if t != best]
             k = self._explored.get(b, 0)
             self._explored[b] = k + 1
             return others[k % len(others)]
         return best
+
+    def _won_elsewhere(self, threads: int, bucket: int) -> bool:
+        """Whether ``threads`` was the fastest count of some other size that has tried more than one."""
+        for other in {c for c, _ in self._cost} - {bucket}:
+            costs = {t: self._cost[other, t] for t in self.choices if (other, t) in self._cost}
+            if len(costs) > 1 and min(costs, key=costs.__getitem__) == threads:
+                return True
+        return False
 
     def record(self, tokens: int, threads: int, seconds: float) -> None:
         """A step of ``tokens`` tokens took ``seconds`` on ``threads`` threads."""
