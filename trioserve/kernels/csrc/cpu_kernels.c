@@ -1469,6 +1469,17 @@ static inline __attribute__((always_inline)) __m256i a2_dot(__m256i acc, __m256i
  * kernel at 32-512 rows 250-270 -> 330-370 G int8 ops/s on two cores. */
 #define A2_KEEP(v) __asm__("" : "+x"(v))
 
+/* 8 outputs into out[at ..], fp32 or rounded to bf16. */
+static inline __attribute__((always_inline)) void a2_store8(void *out, int64_t at, __m256 v, const int bf16_out) {
+    if (bf16_out) {
+        float f[8];
+        _mm256_storeu_ps(f, v);
+        for (int i = 0; i < 8; i++) ((uint16_t *)out)[at + i] = float_to_bf16(f[i]);
+    } else {
+        _mm256_storeu_ps((float *)out + at, v);
+    }
+}
+
 static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
@@ -1503,16 +1514,7 @@ static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, cons
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
         }
     }
-    const int64_t col = c * 16 + h * 8;
-    for (int r = 0; r < rows; r++) {
-        if (bf16_out) {
-            float f[8];
-            _mm256_storeu_ps(f, acc[r]);
-            for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
-        } else {
-            _mm256_storeu_ps((float *)out + r * n + col, acc[r]);
-        }
-    }
+    for (int r = 0; r < rows; r++) a2_store8(out, r * n + c * 16 + h * 8, acc[r], bf16_out);
 }
 
 #if !defined(__AVXVNNI__)
@@ -1563,16 +1565,7 @@ static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, co
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int h = 0; h < 2; h++) {
-            const int64_t col = c * 16 + h * 8;
-            if (bf16_out) {
-                float f[8];
-                _mm256_storeu_ps(f, acc[r][h]);
-                for (int i = 0; i < 8; i++) ((uint16_t *)out)[r * n + col + i] = float_to_bf16(f[i]);
-            } else {
-                _mm256_storeu_ps((float *)out + r * n + col, acc[r][h]);
-            }
-        }
+        for (int h = 0; h < 2; h++) a2_store8(out, r * n + c * 16 + h * 8, acc[r][h], bf16_out);
 }
 #endif
 
@@ -1632,15 +1625,7 @@ static inline __attribute__((always_inline)) void a2_row1(const uint8_t *w, cons
         }
     }
     for (int c = 0; c < tiles; c++)
-        for (int h = 0; h < 2; h++) {
-            if (bf16_out) {
-                float f[8];
-                _mm256_storeu_ps(f, acc[c][h]);
-                for (int i = 0; i < 8; i++) ((uint16_t *)out)[c * 16 + h * 8 + i] = float_to_bf16(f[i]);
-            } else {
-                _mm256_storeu_ps((float *)out + c * 16 + h * 8, acc[c][h]);
-            }
-        }
+        for (int h = 0; h < 2; h++) a2_store8(out, c * 16 + h * 8, acc[c][h], bf16_out);
 }
 
 /* `q8a_block` on 256-bit registers: the same xq, xd and xs bits. */
@@ -2052,17 +2037,6 @@ static inline __attribute__((always_inline)) void i6_dm(const uint16_t *sc, int6
     const uint16_t *s = i6_scales(sc, tb, half, sym) + h8 * 8;
     *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
     *m = sym ? _mm256_mul_ps(*d, _mm256_set1_ps(-32.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
-}
-
-/* Row r's 8 outputs from col on, fp32 or rounded to bf16. */
-static inline void a2_store8(void *out, int64_t at, __m256 v, const int bf16_out) {
-    if (bf16_out) {
-        float f[8];
-        _mm256_storeu_ps(f, v);
-        for (int i = 0; i < 8; i++) ((uint16_t *)out)[at + i] = float_to_bf16(f[i]);
-    } else {
-        _mm256_storeu_ps((float *)out + at, v);
-    }
 }
 
 static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
