@@ -8,7 +8,8 @@ load with ``ignore_eos``).
 
 Shapes: ``1b`` (Llama-3.2-1B's: hidden 2048, 16 layers, 32 heads, 8 KV
 heads, FFN 8192), ``3b`` (hidden 3072, 28 layers, 24 heads, 8 KV heads, FFN
-8192), ``tiny`` (for a test), or ``--hidden/--layers/--heads/--kv-heads/--ffn``.
+8192), ``8b`` (Llama-3.1-8B's: hidden 4096, 32 layers, 32 heads, 8 KV heads,
+FFN 14336; ~16 GB of F16 written on the way to a K-quant), ``tiny`` (for a test), or ``--hidden/--layers/--heads/--kv-heads/--ffn``.
 The vocabulary is SmolLM2's (49,152 tokens), its tokenizer and template read
 from the default model's GGUF. Types this writes itself with the ``gguf``
 package: f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0 (the embedding and output
@@ -38,6 +39,7 @@ SHAPES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128),
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
     "3b": dict(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
+    "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
 }
 Q = gguf.GGMLQuantizationType
 DIRECT = {"f32": Q.F32, "f16": Q.F16, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q8_0": Q.Q8_0}
