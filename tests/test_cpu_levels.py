@@ -9,6 +9,7 @@ A level this CPU cannot run is skipped with the reason."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -115,3 +116,20 @@ def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_ch
         assert _greedy(wide.url) == narrow_tokens  # the same bits, so the same greedy tokens
     finally:
         wide.close()
+
+
+def test_serve_shows_the_model_being_built_layer_by_layer(tiny_checkpoints):
+    """Packing a big file's codes takes a while (~50 s for an 8B model on
+    two cores), so `trioserve serve` says how far the build is, between
+    the loading lines and the start-up line, and how long it took."""
+    server = Server(tiny_checkpoints["gguf_q4_1"], "native")
+    try:
+        layers = TINY["num_hidden_layers"]
+        lines = [line.strip() for line in server.lines]
+        built = [line for line in lines if line.startswith("Building the model")]
+        assert built[:-1] == [f"Building the model: {i}/{layers} layers" for i in range(layers + 1)]
+        assert re.fullmatch(r"Building the model: done in \d+\.\d s", built[-1])
+        order = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in ("Loading weights: done", "Building the model: 0/", "trioserve: computing on")]
+        assert order == sorted(order)
+    finally:
+        server.close()

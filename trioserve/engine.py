@@ -247,9 +247,12 @@ async def open_engine(
     checkpoint: Checkpoint | None = None,
     model: LlamaModel | None = None,
     progress: Progress | None = None,
+    build_progress: Progress | None = None,
 ) -> AsyncIterator[Engine]:
     """Start an engine. ``checkpoint`` skips loading ``config.model``;
-    ``model`` (built from that checkpoint) skips building the model."""
+    ``model`` (built from that checkpoint) skips building the model.
+    ``progress`` is told of the tensors loaded, ``build_progress`` of the
+    layers built."""
     async with open_device_thread() as device:
         if checkpoint is None:
             checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype, config.device), progress=progress))
@@ -258,6 +261,7 @@ async def open_engine(
                 lambda: LlamaModel.from_checkpoint(
                     checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
                     kernels=config.kernels, activations=config.activations, kv_dtype=resolve_kv_dtype(config.kv_cache_dtype),
+                    progress=build_progress,
                 )
             )
         elif model.batch_invariant != config.batch_invariant:

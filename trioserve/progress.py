@@ -22,6 +22,8 @@ class ProgressBar:
         self._last_tenth = -1
 
     def __call__(self, done: int, total: int) -> None:
+        if done == 0:  # the work starts now: `finish` times it from here
+            self.started = time.monotonic()
         if self._tty:
             filled = self.width * done // max(total, 1)
             bar = "#" * filled + "." * (self.width - filled)

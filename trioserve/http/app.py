@@ -83,7 +83,9 @@ class ServerState:
 async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     with state.engine_scope:
         progress = None if state.checkpoint is not None else ProgressBar("Loading weights")
-        async with open_engine(state.settings.engine, checkpoint=state.checkpoint, progress=progress) as engine:
+        building = ProgressBar("Building the model", unit="layers")
+        async with open_engine(state.settings.engine, checkpoint=state.checkpoint, progress=progress, build_progress=building) as engine:
+            building.finish()
             tok = engine.tokenizer
             state.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
             mode = state.settings.reasoning_parser

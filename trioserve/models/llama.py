@@ -97,6 +97,7 @@ class LlamaModel:
         int8: Mapping[str, Int8Parts] | None = None,
         w16: Mapping[str, W16Parts] | None = None,
         kv_dtype: torch.dtype | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -119,7 +120,9 @@ class LlamaModel:
         ``kv_dtype``: the KV pool's dtype (default: the weights'); a float32
         model on a CPU may keep a bfloat16 pool: half the memory and half
         the bytes attention reads, K and V rounded to bf16 as they are
-        stored (what a bf16 model's pool holds)."""
+        stored (what a bf16 model's pool holds). ``progress(done, total)``:
+        called as each layer is built (packing a big model's codes takes a
+        while: ~50 s for an 8B file on two cores)."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -200,6 +203,8 @@ class LlamaModel:
         # Norm weights are kept in fp32, in which norms compute anyway.
         self.norm = w("model.norm.weight").float()
         self.layers = []
+        if progress is not None:
+            progress(0, config.num_layers)
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -216,6 +221,8 @@ class LlamaModel:
                     down=projection([p + "mlp.down_proj.weight"]),
                 )
             )
+            if progress is not None:
+                progress(i + 1, config.num_layers)
         # A model served with 4-bit projections (on CPU, bf16 or float32)
         # gets an 8-bit output head too, one scale per row: the GGUF's
         # embedding is 8-bit (Q8_0) already, the head is read whole every
@@ -305,12 +312,14 @@ class LlamaModel:
         kernels: str = "auto",
         activations: str = "auto",
         kv_dtype: torch.dtype | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
         model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
             activations=activations, rows=checkpoint.rows, int6=checkpoint.int6 if use_int4 else None,
             int8=checkpoint.int8 if use_int4 else None, w16=checkpoint.w16 if use_int4 else None, kv_dtype=kv_dtype,
+            progress=progress,
         )  # fmt: skip
         checkpoint.drop_file_pages()
         return model
