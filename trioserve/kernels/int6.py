@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import torch
 
+from trioserve.kernels.layout import grouped
 from trioserve.kernels.reference import q8_blocks
 
 INT6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1")
@@ -173,10 +174,7 @@ def _pack6_rows(u: np.ndarray, d: np.ndarray, m: np.ndarray, symmetric: bool) ->
     which = [d] if symmetric else [d, m]
     both = np.stack(which).astype(np.float16)  # which, n, k/16
     both = both.reshape(len(which), n // 16, 16, nb, 2).transpose(1, 3, 4, 0, 2)  # tile, block, half, which, column
-    groups = range(0, n // 16, TILE_GROUPS)
-    packed = np.concatenate([planes[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4, 5).reshape(-1) for t in groups])
-    scales = np.concatenate([both[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
-    return packed, scales
+    return grouped(planes, np.uint8, TILE_GROUPS), grouped(both, np.float16, TILE_GROUPS)
 
 
 def sums16(x: torch.Tensor) -> torch.Tensor:

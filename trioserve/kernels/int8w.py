@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from trioserve.kernels.int6 import TILE_GROUPS
+from trioserve.kernels.layout import grouped
 from trioserve.kernels.reference import q8_blocks
 
 BLOCK = 32
@@ -73,10 +74,8 @@ def pack_int8_q8(parts: Int8Parts) -> Int8CodesPack:
     nb = k // BLOCK
     codes = c.reshape(n // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
     d = parts.d.numpy().astype(np.float16).reshape(n // 16, 16, nb).transpose(0, 2, 1)  # tile, block, column
-    groups = range(0, n // 16, TILE_GROUPS)
-    packed = np.concatenate([codes[t : t + TILE_GROUPS].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
-    scales = np.concatenate([d[t : t + TILE_GROUPS].transpose(1, 0, 2).reshape(-1) for t in groups])
-    return Int8CodesPack(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k)
+    packed, scales = grouped(codes, np.int8, TILE_GROUPS), grouped(d, np.float16, TILE_GROUPS)
+    return Int8CodesPack(torch.from_numpy(packed), torch.from_numpy(scales.view(np.uint16)), n, k)
 
 
 def int8_q8_matmul(parts: Int8Parts, x: torch.Tensor) -> torch.Tensor:

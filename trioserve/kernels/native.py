@@ -44,6 +44,7 @@ import torch
 from trioserve.config import CPU_FEATURES_ENV
 from trioserve.config import NATIVE_KERNELS_ENV as DISABLE_ENV
 from trioserve.config import cpu_features_setting, native_kernels_setting
+from trioserve.kernels.layout import grouped
 from trioserve.kernels.cpu import cpu_flags, level_fits
 
 if TYPE_CHECKING:
@@ -511,15 +512,16 @@ def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
         raise ValueError(f"int4_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
     nb = k // 32
     codes = q.reshape(n // 16, 16, nb, 2, 4, 4)  # tile, column, block, half, quad, e
-    bytes_ = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).astype(np.uint8)
+    bytes_ = np.left_shift(codes[:, :, :, 1], 4, dtype=np.uint8)
+    np.bitwise_or(bytes_, codes[:, :, :, 0], out=bytes_)
     tiles = bytes_.transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
     d, m = _blocks_d_m(parts)
     both = np.stack([d, m]).astype(np.float16).reshape(2, n // 16, 16, nb).transpose(1, 3, 0, 2)  # tile, block, which, column
     # Groups of Q8_GROUP_TILES tiles, each block by block across its tiles.
-    groups = range(0, n // 16, Q8_GROUP_TILES)
-    packed = np.concatenate([tiles[t : t + Q8_GROUP_TILES].transpose(1, 0, 2, 3, 4).reshape(-1) for t in groups])
-    scales = np.concatenate([both[t : t + Q8_GROUP_TILES].transpose(1, 0, 2, 3).reshape(-1) for t in groups])
-    return Int4Pack(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(scales).view(np.uint16)), n, k, q8=True)
+    packed = grouped(tiles, np.uint8, Q8_GROUP_TILES)
+    scales = grouped(both, np.float16, Q8_GROUP_TILES)
+    return Int4Pack(torch.from_numpy(packed), torch.from_numpy(scales.view(np.uint16)), n, k, q8=True)
+
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:
