@@ -1480,39 +1480,76 @@ static inline __attribute__((always_inline)) void a2_store8(void *out, int64_t a
     }
 }
 
+/* A block's (or a 6-bit half block's) scaling of 8 columns, as every
+ * build does it: acc += float(isum) (d xd), then acc += m xs. */
+static inline __attribute__((always_inline)) __m256 a2_scale(__m256 acc, __m256i isum, __m256 d, __m256 m, float xd, float xs) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(xs), acc);
+}
+
+/* d and m of 8 columns from `s` (a tile-block's 16 d, then its 16 m). */
+static inline __attribute__((always_inline)) void a2_dm(const uint16_t *s, __m256 *d, __m256 *m) {
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+    *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+}
+
+/* Row r's integer sum of one block of a half tile (8 columns; `wb` their
+ * codes, `xb` the rows' inputs of the block, row stride k), rows 0 ..
+ * rows - 1, by `a2_dot`; added to isum[r]. */
+static inline __attribute__((always_inline)) void a2_half_sums(const uint8_t *wb, const int8_t *xb, int64_t k, const int rows,
+                                                              __m256i *isum) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < rows; r++) {
+            int32_t first, second;
+            memcpy(&first, xb + r * k + 4 * j, sizeof first);
+            memcpy(&second, xb + r * k + 16 + 4 * j, sizeof second);
+            isum[r] = a2_dot(isum[r], lo, _mm256_set1_epi32(first));
+            isum[r] = a2_dot(isum[r], hi, _mm256_set1_epi32(second));
+        }
+    }
+}
+
+/* Without VNNI: row r's int16 sums of one block of a whole tile (both
+ * halves, s16[r][h]), each half's eight `vpmaddubsw` added as they come. */
+static inline __attribute__((always_inline)) void a2_tile_sums16(const uint8_t *wb, const int8_t *xb, int64_t k, const int rows,
+                                                                __m256i (*s16)[2]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        for (int r = 0; r < rows; r++) {
+            int32_t first, second;
+            memcpy(&first, xb + r * k + 4 * j, sizeof first);
+            memcpy(&second, xb + r * k + 16 + 4 * j, sizeof second);
+            const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
+            s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
+            s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
+            A2_KEEP(s16[r][0]);
+            A2_KEEP(s16[r][1]);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void a2_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          int64_t k, int64_t n, const int rows, const int tiles,
                                                          const int c, const int h, const int bf16_out, Prefetch *ahead) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[A2_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         if (ahead) prefetch_some(ahead);
-        const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK + h * 32;
         __m256i isum[A2_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
-            const __m256i lo = _mm256_and_si256(v, nibble);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + r * k + b * A2_BLOCK + 4 * j;
-                int32_t first, second;
-                memcpy(&first, xr, sizeof first);
-                memcpy(&second, xr + 16, sizeof second);
-                isum[r] = a2_dot(isum[r], lo, _mm256_set1_epi32(first));
-                isum[r] = a2_dot(isum[r], hi, _mm256_set1_epi32(second));
-            }
-        }
-        const uint16_t *s = sc + (b * tiles + c) * 32 + h * 8;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
-        for (int r = 0; r < rows; r++) {
-            const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dx, acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
-        }
+        a2_half_sums(w + (b * tiles + c) * A2_TILE_BLOCK + h * 32, xq + b * A2_BLOCK, k, rows, isum);
+        __m256 d, m;
+        a2_dm(sc + (b * tiles + c) * 32 + h * 8, &d, &m);
+        for (int r = 0; r < rows; r++) acc[r] = a2_scale(acc[r], isum[r], d, m, xd[r * nb + b], xs[r * nb + b]);
     }
     for (int r = 0; r < rows; r++) a2_store8(out, r * n + c * 16 + h * 8, acc[r], bf16_out);
 }
@@ -1527,41 +1564,18 @@ static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, co
                                                            const float *xd, const float *xs, void *out, int64_t nb,
                                                            int64_t k, int64_t n, const int rows, const int tiles,
                                                            const int c, const int bf16_out, Prefetch *ahead) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[A2_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         prefetch_some(ahead);
-        const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK;
         __m256i s16[A2_ROWS][2];
         for (int r = 0; r < rows; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + 32));
-            const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
-            const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + r * k + b * A2_BLOCK + 4 * j;
-                int32_t first, second;
-                memcpy(&first, xr, sizeof first);
-                memcpy(&second, xr + 16, sizeof second);
-                const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
-                s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
-                s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
-                A2_KEEP(s16[r][0]);
-                A2_KEEP(s16[r][1]);
-            }
-        }
-        const uint16_t *s = sc + (b * tiles + c) * 32;
+        a2_tile_sums16(w + (b * tiles + c) * A2_TILE_BLOCK, xq + b * A2_BLOCK, k, rows, s16);
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + h * 8)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 + h * 8)));
-            for (int r = 0; r < rows; r++) {
-                const __m256i isum = _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1));
-                const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b]));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dx, acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r][h]);
-            }
+            __m256 d, m;
+            a2_dm(sc + (b * tiles + c) * 32 + h * 8, &d, &m);
+            for (int r = 0; r < rows; r++)
+                acc[r][h] = a2_scale(acc[r][h], _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1)), d, m, xd[r * nb + b], xs[r * nb + b]);
         }
     }
     for (int r = 0; r < rows; r++)
@@ -1578,49 +1592,27 @@ static inline __attribute__((always_inline)) void a2_pass16(const uint8_t *w, co
 static inline __attribute__((always_inline)) void a2_row1(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
                                                          const float *xd, const float *xs, void *out, int64_t nb,
                                                          const int tiles, const int bf16_out, Prefetch *ahead) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[A2_TILES][2];
     for (int c = 0; c < tiles; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         prefetch_some(ahead);
-        const __m256 dx = _mm256_set1_ps(xd[b]), sx = _mm256_set1_ps(xs[b]);
         for (int c = 0; c < tiles; c++) {
             const uint8_t *wb = w + (b * tiles + c) * A2_TILE_BLOCK;
             __m256i isum[2];
 #if defined(__AVXVNNI__)
-            isum[0] = isum[1] = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                int32_t first, second;
-                memcpy(&first, xq + b * A2_BLOCK + 4 * j, sizeof first);
-                memcpy(&second, xq + b * A2_BLOCK + 16 + 4 * j, sizeof second);
-                for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
-                    isum[h] = a2_dot(isum[h], _mm256_and_si256(v, nibble), _mm256_set1_epi32(first));
-                    isum[h] = a2_dot(isum[h], _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), _mm256_set1_epi32(second));
-                }
+            for (int h = 0; h < 2; h++) {
+                isum[h] = _mm256_setzero_si256();
+                a2_half_sums(wb + h * 32, xq + b * A2_BLOCK, 0, 1, &isum[h]);
             }
 #else
-            __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int j = 0; j < 4; j++) {
-                int32_t first, second;
-                memcpy(&first, xq + b * A2_BLOCK + 4 * j, sizeof first);
-                memcpy(&second, xq + b * A2_BLOCK + 16 + 4 * j, sizeof second);
-                const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
-                for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
-                    const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-                    s16[h] = _mm256_add_epi16(s16[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
-                    A2_KEEP(s16[h]);
-                }
-            }
-            for (int h = 0; h < 2; h++) isum[h] = _mm256_madd_epi16(s16[h], _mm256_set1_epi16(1));
+            __m256i s16[1][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()}};
+            a2_tile_sums16(wb, xq + b * A2_BLOCK, 0, 1, s16);
+            for (int h = 0; h < 2; h++) isum[h] = _mm256_madd_epi16(s16[0][h], _mm256_set1_epi16(1));
 #endif
-            const uint16_t *s = sc + (b * tiles + c) * 32;
             for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + h * 8)));
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 + h * 8)));
-                acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_mul_ps(d, dx), acc[c][h]);
-                acc[c][h] = _mm256_fmadd_ps(m, sx, acc[c][h]);
+                __m256 d, m;
+                a2_dm(sc + (b * tiles + c) * 32 + h * 8, &d, &m);
+                acc[c][h] = a2_scale(acc[c][h], isum[h], d, m, xd[b], xs[b]);
             }
         }
     }
@@ -2025,12 +2017,6 @@ static inline __attribute__((always_inline)) void i6_half_sums(const uint8_t *at
 #endif
 }
 
-/* A half block's scaling, in the order the comment above the kernel gives. */
-static inline __attribute__((always_inline)) __m256 i6_scale(__m256 acc, __m256i isum, __m256 d, __m256 m, float xd, float xs) {
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc);
-    return _mm256_fmadd_ps(m, _mm256_set1_ps(xs), acc);
-}
-
 /* d and m of half `half`, columns 8 h8 .. 8 h8 + 7, of tile-block tb. */
 static inline __attribute__((always_inline)) void i6_dm(const uint16_t *sc, int64_t tb, int half, int h8, const int sym, __m256 *d,
                                                        __m256 *m) {
@@ -2054,7 +2040,7 @@ static inline __attribute__((always_inline)) void i6_half_pass(const uint8_t *w,
             i6_half_sums(w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF + h8 * 32, xq + b * I6_BLOCK + 16 * half, k, rows, isum);
             __m256 d, m;
             i6_dm(sc, b * tiles + c, half, h8, sym, &d, &m);
-            for (int r = 0; r < rows; r++) acc[r] = i6_scale(acc[r], isum[r], d, m, xd[r * nb + b], xs[(r * nb + b) * 2 + half]);
+            for (int r = 0; r < rows; r++) acc[r] = a2_scale(acc[r], isum[r], d, m, xd[r * nb + b], xs[(r * nb + b) * 2 + half]);
         }
     }
     for (int r = 0; r < rows; r++) a2_store8(out, r * n + c * 16 + h8 * 8, acc[r], bf16_out);
@@ -2078,7 +2064,7 @@ static inline __attribute__((always_inline)) void i6_row1(const uint8_t *w, cons
                                  &isum);
                     __m256 d, m;
                     i6_dm(sc, b * tiles + c, half, h8, sym, &d, &m);
-                    acc[c][h8] = i6_scale(acc[c][h8], isum, d, m, xd[b], xs[b * 2 + half]);
+                    acc[c][h8] = a2_scale(acc[c][h8], isum, d, m, xd[b], xs[b * 2 + half]);
                 }
     }
     for (int c = 0; c < tiles; c++)
