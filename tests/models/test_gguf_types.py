@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trioserve.models.gguf_file import open_reader
-from trioserve.models.gguf_loader import SUPPORTED_TYPES, tensor_array
+from trioserve.models.gguf_loader import SCALE_FIELDS, SUPPORTED_TYPES, scales_finite, tensor_array
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 6, 256
@@ -69,3 +69,30 @@ def test_k_quant_blocks_load_in_row_order(qtype, written):
     for r in range(ROWS):
         np.testing.assert_array_equal(out[r], gguf.quants.dequantize(raw_k[qtype][r : r + 1], qtype)[0])
     assert np.abs(out).max() > 0
+
+
+@pytest.mark.parametrize("qtype", list(SCALE_FIELDS), ids=lambda q: q.name)
+def test_the_scale_fields_tell_exactly_which_blocks_dequantize_to_finite_numbers(qtype):
+    # The loader checks a quantized tensor from its blocks' float16 scale
+    # fields alone; that must agree with dequantizing it whole, for blocks
+    # whose fields are finite, NaN, +-infinity, and infinity beside zero codes.
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(11)
+    special = np.array([np.nan, np.inf, -np.inf], dtype=np.float16).view(np.uint8).reshape(3, 2)
+    for trial in range(12):
+        raw = rng.integers(0, 256, size=(4, 2, size), dtype=np.uint8)
+        for offset in SCALE_FIELDS[qtype]:
+            raw[..., offset : offset + 2] = np.array([0.02], dtype=np.float16).view(np.uint8)
+        if trial % 4:  # one field of one block made special; trial 0, 4, 8 stay clean
+            offset = SCALE_FIELDS[qtype][trial % len(SCALE_FIELDS[qtype])]
+            row, blk = rng.integers(0, 4), rng.integers(0, 2)
+            raw[row, blk, offset : offset + 2] = special[trial % 3]
+            if trial % 4 == 3:  # every other byte zero: an infinite scale times zero codes
+                keep = raw[row, blk, offset : offset + 2].copy()
+                raw[row, blk] = 0
+                raw[row, blk, offset : offset + 2] = keep
+        data = raw.reshape(4, -1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = bool(np.isfinite(gguf.quants.dequantize(data, qtype)).all())
+        assert scales_finite(data, qtype) is expected, (trial, expected)
+        assert expected is (trial % 4 == 0)

@@ -24,6 +24,7 @@ from tests.tiny_model import permute_rows, set_gguf_u32, tiny_weights, write_ggu
 from tests.tiny_tokenizer import BOS_ID, EOS_ID, train_tiny_tokenizer
 from trioserve.errors import CheckpointError
 from trioserve.models.checkpoint import Checkpoint, load_checkpoint
+from trioserve.models.gguf_file import open_reader
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
 
@@ -303,6 +304,42 @@ def gguf_nan_tensor(tmp, ck, mp):
     return path, path, "corrupt tensor 'blk.0.attn_v.weight': contains NaN or infinity"
 
 
+def _poison_scale(path: Path, tensor: str, field: int, value: float) -> Path:
+    """Set one float16 scale field (at byte ``field`` of block 1, row 1) of
+    quantized ``tensor`` in the file to ``value``, as a bad write would."""
+    t = next(t for t in open_reader(path).tensors if t.name == tensor)
+    size = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+    at = t.data_offset + int(np.asarray(t.data).shape[1]) + size + field
+    data = bytearray(path.read_bytes())
+    data[at : at + 2] = np.array([value], np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    return path
+
+
+# A NaN or infinite block scale in each of the loader's quantized paths: the
+# 4-bit codes (Q4_0), the up-to-6-bit codes (Q5_0), the 8-bit codes
+# (Q8_0) and the head's (Q4_1's m). Found from the scale fields, never by
+# dequantizing the tensor.
+def gguf_nan_scale_q4_0(tmp, ck, mp):
+    path = _poison_scale(_gguf(tmp, "q40.gguf", qtype=gguf.GGMLQuantizationType.Q4_0), "blk.1.ffn_down.weight", 0, np.nan)
+    return path, path, "corrupt tensor 'blk.1.ffn_down.weight': contains NaN or infinity"
+
+
+def gguf_inf_scale_q5_0(tmp, ck, mp):
+    path = _poison_scale(_gguf(tmp, "q50.gguf", qtype=gguf.GGMLQuantizationType.Q5_0), "blk.0.attn_q.weight", 0, np.inf)
+    return path, path, "corrupt tensor 'blk.0.attn_q.weight': contains NaN or infinity"
+
+
+def gguf_inf_scale_q8_0(tmp, ck, mp):
+    path = _poison_scale(_gguf(tmp, "q80.gguf", qtype=gguf.GGMLQuantizationType.Q8_0), "blk.1.ffn_gate.weight", 0, -np.inf)
+    return path, path, "corrupt tensor 'blk.1.ffn_gate.weight': contains NaN or infinity"
+
+
+def gguf_nan_head_q4_1(tmp, ck, mp):
+    path = _poison_scale(_gguf(tmp, "q41.gguf", qtype=gguf.GGMLQuantizationType.Q4_1), "output.weight", 2, np.nan)
+    return path, path, "corrupt tensor 'output.weight': contains NaN or infinity"
+
+
 def gguf_llama_tokenizer(tmp, ck, mp):
     _tokenizer_meta(mp, **{"tokenizer.ggml.model": "llama"})
     path = _gguf(tmp, "spm.gguf")
@@ -370,6 +407,10 @@ BAD = [
     gguf_int32_tensor,
     gguf_missing_tensor,
     gguf_nan_tensor,
+    gguf_nan_scale_q4_0,
+    gguf_inf_scale_q5_0,
+    gguf_inf_scale_q8_0,
+    gguf_nan_head_q4_1,
     gguf_llama_tokenizer,
     gguf_bad_merge,
     hf_without_config,

@@ -6,8 +6,7 @@ A group of 16 inputs holds w = d u + m, u in 0..63, d and m f16 values:
 - Q6_K: u = q + 32 (q the 6-bit signed code), d = f16(d_super * scale_16), m = -32 d;
 - Q5_K: u the 5-bit code, d = f16(d_super * scale_32), m = f16(-dmin * min_32);
 - Q5_0: u the code, d the block's, m = -16 d (exact); Q5_1: d and m the block's.
-The codes are the file's, found from its dequantized values and the block
-scales; a K-quant's group scale and offset are rounded to f16 (within
+The codes are the file's, read from its blocks' bits; a K-quant's group scale and offset are rounded to f16 (within
 2^-11 of each: far inside the codes' own error), as for Q4_K
 (kernels/int4.py). The kernel (`native.int6_q8_matmul`) takes inputs in
 8-bit blocks of 32, as the 4-bit one with `--activations int8` does."""
@@ -15,7 +14,6 @@ scales; a K-quant's group scale and offset are rounded to f16 (within
 from __future__ import annotations
 
 import attrs
-import gguf
 import numpy as np
 import torch
 
@@ -69,11 +67,9 @@ def _k_scales(header: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
     """Rows of a Q6_K, Q5_K, Q5_0 or Q5_1 tensor ([N, blocks * bytes] uint8)
-    as codes and per-16 scales and offsets (the module's docstring).
-    ValueError if a code falls outside 0..63 (not such a file). Made a
-    slice of rows at a time (`_ROWS_AT_ONCE` weights), so that the float
-    values it finds the codes from never exist for the whole tensor: for
-    a 49,152 x 2,048 head that was ~2 GB of passing float arrays."""
+    as codes and per-16 scales and offsets (the module's docstring). Made
+    a slice of rows at a time (`_ROWS_AT_ONCE` weights), so that the
+    temporaries stay small."""
     raw = np.asarray(raw)
     rows = raw.shape[0]
     k = raw.shape[1] // _BYTES[qtype_name] * _WEIGHTS[qtype_name]
@@ -88,33 +84,69 @@ def parts_from_gguf6(raw: np.ndarray, qtype_name: str) -> Int6Parts:
 
 
 def _codes6(raw: np.ndarray, qtype_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`parts_from_gguf6` for one slice of rows: u [rows, K] uint8, d and m [rows, K / 16]."""
+    """`parts_from_gguf6` for one slice of rows: u [rows, K] uint8, d and m
+    [rows, K / 16]. The codes are read from the blocks' bits (a group whose
+    scale is 0 gets codes 0, as a code there means nothing)."""
     rows = raw.shape[0]
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    w = gguf.quants.dequantize(raw, qtype).reshape(rows, -1)
-    k = w.shape[1]
     blocks = raw.reshape(rows, -1, _BYTES[qtype_name])
+    k = blocks.shape[1] * _WEIGHTS[qtype_name]
     half = lambda a, at: a[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     if qtype_name == "Q6_K":
         scale = half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [rows, supers, 16]
         exact_d, exact_m = scale, -32.0 * scale
+        u = _q6_k_codes(blocks)
     elif qtype_name == "Q5_K":
         sc, mins = _k_scales(blocks[..., 4:16])
         d32 = half(blocks, 0)[..., None] * sc
         m32 = -half(blocks, 2)[..., None] * mins
         exact_d, exact_m = np.repeat(d32, 2, axis=-1), np.repeat(m32, 2, axis=-1)
+        u = _q5_k_codes(blocks)
     else:
         d32 = half(blocks, 0)
         m32 = half(blocks, 2) if qtype_name == "Q5_1" else -16.0 * d32
         exact_d, exact_m = np.repeat(d32[..., None], 2, axis=-1), np.repeat(m32[..., None], 2, axis=-1)
+        u = _q5_codes(blocks, 4 if qtype_name == "Q5_1" else 2)
     exact_d = exact_d.reshape(rows, k // GROUP)
     exact_m = exact_m.reshape(rows, k // GROUP)
-    groups = w.reshape(rows, k // GROUP, GROUP)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        u = np.where(exact_d[..., None] != 0, np.round((groups - exact_m[..., None]) / exact_d[..., None]), 0.0)
-    if u.size and (u.min() < 0 or u.max() > 63):
-        raise ValueError(f"{qtype_name}: codes outside 0..63")
-    return u.astype(np.uint8).reshape(rows, k), _f16(exact_d), _f16(exact_m)
+    u = np.where(exact_d[..., None] != 0, u.reshape(rows, k // GROUP, GROUP), 0).astype(np.uint8)
+    return u.reshape(rows, k), _f16(exact_d), _f16(exact_m)
+
+
+def _q6_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K's 6-bit codes (q + 32), [rows, supers, 256], from 128 bytes of low
+    nibbles and 64 of 2-bit high parts. Each half of 128 weights reads 64
+    nibble bytes (a: bytes 0-31, b: 32-63) and 32 high bytes h: its four
+    runs of 32 are a's low nibbles over h's bits 0-1, b's low over bits
+    2-3, a's high over 4-5, b's high over 6-7."""
+    rows, supers = blocks.shape[:2]
+    low = blocks[..., 0:128].reshape(rows, supers, 2, 2, 32)  # half, (a, b), byte
+    high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    nibbles = np.stack([low & 15, low >> 4], axis=3)  # half, (low, high nibble), (a, b), byte
+    shifts = np.array([[0, 2], [4, 6]], dtype=np.uint8).reshape(1, 1, 1, 2, 2, 1)
+    tops = (high[:, :, :, None] >> shifts) & 3
+    return (nibbles | (tops << 4)).reshape(rows, supers, 256)
+
+
+def _q5_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K's 5-bit codes, [rows, supers, 256]: chunk j of 64 weights is the
+    low nibbles of nibble bytes 32 j .. 32 j + 31 over bit 2 j of the 32
+    high-bit bytes, then their high nibbles over bit 2 j + 1."""
+    rows, supers = blocks.shape[:2]
+    high = blocks[..., 16:48].reshape(rows, supers, 1, 1, 32)
+    nibbles = blocks[..., 48:176].reshape(rows, supers, 4, 1, 32)
+    nibbles = np.concatenate([nibbles & 15, nibbles >> 4], axis=3)  # chunk, (low, high), byte
+    shifts = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)
+    return (nibbles | (((high >> shifts) & 1) << 4)).reshape(rows, supers, 256)
+
+
+def _q5_codes(blocks: np.ndarray, header: int) -> np.ndarray:
+    """Q5_0's or Q5_1's 5-bit codes, [rows, blocks, 32]: ``header`` bytes of
+    f16 fields, a 32-bit word whose bit j is code j's fifth bit, then 16
+    bytes whose low nibbles are codes 0-15 and high nibbles 16-31."""
+    word = np.ascontiguousarray(blocks[..., header : header + 4]).view("<u4")  # [rows, blocks, 1]
+    nibbles = blocks[..., header + 4 :]
+    fifth = ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.concatenate([nibbles & 15, nibbles >> 4], axis=-1) | (fifth << 4)
 
 
 @attrs.frozen

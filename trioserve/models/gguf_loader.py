@@ -120,23 +120,17 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
             # Made from the mapped file when asked for, as codes or dense (LazyWeights).
             int4[name] = functools.partial(_parts, t, heads, reader)
-            parts = int4[name]()
-            if not (torch.isfinite(parts.scale).all() and torch.isfinite(parts.zero).all()):
-                raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+            _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif t.tensor_type.name in INT6_TYPES and name.startswith("model.layers.") and len(t.shape) == 2 and t.shape[0] % 32 == 0:
             # Codes of up to 6 bits in groups of 16 for the int8-activation kernel; dense when asked for.
             int6[name] = functools.partial(_parts6, t, heads, reader)
-            parts6 = int6[name]()
-            if not (torch.isfinite(parts6.d).all() and torch.isfinite(parts6.m).all()):
-                raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+            _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif t.tensor_type == Q.Q8_0 and name.startswith("model.layers.") and len(t.shape) == 2:
             # Signed 8-bit codes and the file's block scales for the int8-activation kernel; dense when asked for.
             int8[name] = functools.partial(_parts8, t, heads, reader)
-            parts8 = int8[name]()
-            if not torch.isfinite(parts8.d).all():
-                raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+            _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
         elif t.tensor_type.name in W16_TYPES and len(t.shape) == 2 and (
             name.startswith("model.layers.") or name in ("lm_head.weight", "model.embed_tokens.weight")
@@ -152,8 +146,8 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             # codes where the type has a kernel (4-, up to 6- and 8-bit, as the layers'); else as
             # the model's own 8-bit copy (Int8Rows), made slice by slice from the file's rows. The
             # embedding is read a few rows a step, from the file's rows (LlamaModel keeps no dense
-            # copy where no dense head reads it). Dense only when asked for. Checked whole once,
-            # here, a slice at a time.
+            # copy where no dense head reads it). Dense only when asked for. Checked once, here
+            # (_check_finite).
             _check_finite(path, t, reader)
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
             rows[name] = functools.partial(_rows, t, dtype)
@@ -266,14 +260,49 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
 DEQUANTIZE_SLICE_ROWS = 2048  # rows dequantized at a time: the gguf package's temporaries are several times a slice
 
 
+# Byte offsets, within one block, of the float16 scale fields (d, and dmin
+# or m where the type has one) of the block types whose every value is
+# those fields times small integers (and a sum of such): each field reaches
+# every value of its block, so a block dequantizes to finite numbers exactly
+# when its fields are finite (an infinite field times a zero code is NaN).
+SCALE_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+
+
+def scales_finite(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether raw blocks ``data`` (any shape, whole blocks) of a type in
+    SCALE_FIELDS dequantize to finite numbers, read from their scale
+    fields alone (2 or 4 bytes a block, where dequantizing writes 32 or
+    256 floats): a float16 is NaN or infinite when its 5 exponent bits are all set."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = np.asarray(data).reshape(-1, size)
+    for offset in SCALE_FIELDS[qtype]:
+        bits = np.ascontiguousarray(blocks[:, offset : offset + 2]).view(np.uint16)
+        if ((bits & 0x7C00) == 0x7C00).any():
+            return False
+    return True
+
+
 def _check_finite(path: Path, t: GGUFTensor, reader: GGUFFile) -> None:
     """CheckpointError unless quantized 2-D tensor ``t`` dequantizes to finite
-    numbers; a slice of rows at a time, so no dense copy of the whole exists."""
+    numbers: from its blocks' scale fields where the type allows
+    (SCALE_FIELDS), else dequantized a slice of rows at a time, so no dense
+    copy of the whole exists. The kernels' codes are made later, once, by
+    the model's build; this only reads."""
     data = np.asarray(t.data)
-    for start in range(0, data.shape[0], DEQUANTIZE_SLICE_ROWS):
-        if not np.isfinite(gguf.quants.dequantize(data[start : start + DEQUANTIZE_SLICE_ROWS], t.tensor_type)).all():
-            raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
+    if t.tensor_type in SCALE_FIELDS:
+        finite = scales_finite(data, t.tensor_type)
+    else:
+        finite = all(
+            np.isfinite(gguf.quants.dequantize(data[start : start + DEQUANTIZE_SLICE_ROWS], t.tensor_type)).all()
+            for start in range(0, data.shape[0], DEQUANTIZE_SLICE_ROWS)
+        )
     _drop_pages(reader, t)
+    if not finite:
+        raise CheckpointError(path, f"corrupt tensor {t.name!r}: contains NaN or infinity")
 
 
 def tensor_array(t: GGUFTensor) -> np.ndarray:
