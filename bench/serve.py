@@ -365,7 +365,12 @@ async def main_async(args) -> int:
     levels_c = args.concurrency or [1]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     top = max(levels_c)
-    limits = httpx.Limits(max_connections=top, max_keepalive_connections=top)
+    # A pooled connection idle for a second is dropped, not reused: llama-server
+    # (cpp-httplib) closes one idle for 5 s, httpx's own expiry is also 5 s,
+    # and a request sent on a connection the server has just closed fails
+    # with "Server disconnected without sending a response" (seen at 1-16
+    # streams of a 1B model, whose requests leave connections idle that long).
+    limits = httpx.Limits(max_connections=top, max_keepalive_connections=top, keepalive_expiry=1.0)
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0), pool=args.timeout)
     run_id = secrets.token_hex(4)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
