@@ -79,9 +79,11 @@ def parts_from_gguf(raw: np.ndarray, qtype_name: str) -> Int4Parts:
         zero = m + 8 * d
     else:
         zero = np.zeros_like(d)
-    packed = blocks[:, :, header:]
     # Low nibbles are a block's first 16 values, high nibbles the last 16.
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    q = native.unpack_nibbles(raw, header + GROUP // 2, header, GROUP // 2)
+    if q is None:
+        packed = blocks[:, :, header:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
     return Int4Parts(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
 
 
@@ -105,8 +107,13 @@ def _parts_from_q4_k(raw: np.ndarray) -> Int4Parts:
     mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
     group_d = (d[..., None] * scale).astype(np.float16).astype(np.float32)  # [rows, supers, 8]
     group_m = (-dmin[..., None] * mins).astype(np.float16).astype(np.float32)
-    packed = blocks[..., 16:].reshape(rows, -1, 4, 32)  # [rows, supers, chunk, byte]
-    q = np.stack([packed & 0x0F, packed >> 4], axis=3).reshape(rows, -1)  # chunk, (low, high), byte
+    q = native.unpack_nibbles(raw, Q4_K_BLOCK_BYTES, 16, 32)  # the C library's, in one pass; else numpy's
+    if q is None:
+        packed = blocks[..., 16:].reshape(rows, -1, 4, 32)  # [rows, supers, chunk, byte]
+        q = np.empty((*packed.shape[:3], 2, 32), dtype=np.uint8)  # chunk, (low, high), byte
+        np.bitwise_and(packed, 0x0F, out=q[:, :, :, 0])
+        np.right_shift(packed, 4, out=q[:, :, :, 1])
+        q = q.reshape(rows, -1)
     zero = group_m + 8 * group_d
     return Int4Parts(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(group_d.reshape(rows, -1)), torch.from_numpy(zero.reshape(rows, -1)))
 

@@ -177,21 +177,30 @@ def pack_int6_q8(parts: Int6Parts, *, symmetric: bool | None = None) -> Int6Pack
     # Whole groups of tiles a slice, so that the passing copies stay small.
     step = 16 * TILE_GROUPS * max(1, _ROWS_AT_ONCE // (16 * TILE_GROUPS * k))
     # Each slice's bytes and scales follow the last one's, written in place.
-    packed = np.empty(n * k * 3 // 4, dtype=np.uint8)
+    from trioserve.kernels.native import grouped_codes  # native imports this module's neighbours; lazily
+
+    packed = grouped_codes(u, 6, TILE_GROUPS)  # the C packer, in one pass; else numpy, by slices
+    by_slices = packed is None
+    if by_slices:
+        packed = np.empty(n * k * 3 // 4, dtype=np.uint8)
     scales = np.empty(n * k // GROUP * (1 if symmetric else 2), dtype=np.float16)
     at_bytes = at_scales = 0
     for r0 in range(0, n, step):
-        piece, piece_scales = _pack6_rows(u[r0 : r0 + step], d[r0 : r0 + step], m[r0 : r0 + step], symmetric)
-        packed[at_bytes : at_bytes + piece.size] = piece
+        if by_slices:
+            piece = _planes6(u[r0 : r0 + step])
+            packed[at_bytes : at_bytes + piece.size] = piece
+            at_bytes += piece.size
+        piece_scales = _scales6(d[r0 : r0 + step], m[r0 : r0 + step], symmetric)
         scales[at_scales : at_scales + piece_scales.size] = piece_scales
-        at_bytes, at_scales = at_bytes + piece.size, at_scales + piece_scales.size
-    assert at_bytes == packed.size and at_scales == scales.size
+        at_scales += piece_scales.size
+    assert at_bytes == (packed.size if by_slices else 0) and at_scales == scales.size
     return Int6Pack(torch.from_numpy(packed), torch.from_numpy(scales.view(np.uint16)), n, k, symmetric)
 
 
-def _pack6_rows(u: np.ndarray, d: np.ndarray, m: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """`pack_int6_q8`'s bytes and scales for rows that are whole groups of
-    tiles (or the last rows), in the order the kernel reads them."""
+def _planes6(u: np.ndarray) -> np.ndarray:
+    """`pack_int6_q8`'s bytes for rows that are whole groups of tiles (or
+    the last rows), in the order the kernel reads them (numpy's way; the
+    C library's packer writes the same bytes)."""
     n, k = u.shape
     nb = k // 32
     q = u.reshape(n // 16, 16, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)  # tile, block, half, quad, column, e
@@ -203,10 +212,17 @@ def _pack6_rows(u: np.ndarray, d: np.ndarray, m: np.ndarray, symmetric: bool) ->
         ],
         axis=3,
     ).astype(np.uint8)  # tile, block, half, plane, column, e: 384 bytes a tile and block
+    return grouped(planes, np.uint8, TILE_GROUPS)
+
+
+def _scales6(d: np.ndarray, m: np.ndarray, symmetric: bool) -> np.ndarray:
+    """`pack_int6_q8`'s scales for the same rows, in the kernel's order."""
+    n, groups = d.shape
+    nb = groups // 2
     which = [d] if symmetric else [d, m]
     both = np.stack(which).astype(np.float16)  # which, n, k/16
     both = both.reshape(len(which), n // 16, 16, nb, 2).transpose(1, 3, 4, 0, 2)  # tile, block, half, which, column
-    return grouped(planes, np.uint8, TILE_GROUPS), grouped(both, np.float16, TILE_GROUPS)
+    return grouped(both, np.float16, TILE_GROUPS)
 
 
 def sums16(x: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,13 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn.argtypes = [_ptr] * 3 + [_i64] * 3 + [ctypes.c_int] * 4
     lib.trioserve_isa.restype = ctypes.c_char_p
     lib.trioserve_isa.argtypes = []
+    for name in ("trioserve_pack_int4_q8_codes", "trioserve_pack_int6_q8_codes"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [_ptr] + [_i64] * 3 + [_ptr, ctypes.c_int]
+    fn = lib.trioserve_unpack_nibbles
+    fn.restype = None
+    fn.argtypes = [_ptr] + [_i64] * 4 + [_ptr, ctypes.c_int]
     return lib
 
 
@@ -503,6 +510,38 @@ def _blocks_d_m(parts: Int4Parts) -> tuple[np.ndarray, np.ndarray]:
     return d, parts.zero.numpy().astype(np.float32) - 8 * d
 
 
+def grouped_codes(u: np.ndarray, bits: int, per_group: int) -> np.ndarray | None:
+    """Codes one a byte, u [n, k] uint8, laid out for the 4-bit (``bits``
+    4) or 6-bit (6) int8-activation kernel in groups of ``per_group`` tiles,
+    by the C library's packer (one pass, on torch's threads); None where
+    the library is not loaded, and the numpy packer serves (the same
+    bytes, several times slower: it was most of a big model's build)."""
+    lib = library()
+    if lib is None:
+        return None
+    n, k = u.shape
+    u = np.ascontiguousarray(u, dtype=np.uint8)
+    out = np.empty(n * k * bits // 8, dtype=np.uint8)
+    fn = lib.trioserve_pack_int4_q8_codes if bits == 4 else lib.trioserve_pack_int6_q8_codes
+    fn(u.ctypes.data, n, k, per_group, out.ctypes.data, torch.get_num_threads())
+    return out
+
+
+def unpack_nibbles(raw: np.ndarray, block_bytes: int, header: int, run: int) -> np.ndarray | None:
+    """4-bit codes one a byte out of GGUF blocks (raw [rows, blocks *
+    block_bytes] uint8), by the C library: [rows, codes] uint8, each run of
+    ``run`` nibble bytes after a block's ``header`` giving its low nibbles,
+    then its high ones. None where the library is not loaded."""
+    lib = library()
+    if lib is None:
+        return None
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows, blocks = raw.shape[0], raw.size // block_bytes
+    out = np.empty((rows, blocks * (block_bytes - header) * 2 // max(rows, 1)), dtype=np.uint8)
+    lib.trioserve_unpack_nibbles(raw.ctypes.data, blocks, block_bytes, header, run, out.ctypes.data, torch.get_num_threads())
+    return out
+
+
 def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
     """Lay out unpacked 4-bit codes for `int4_q8_matmul` (the C source's
     comment above `trioserve_int4_q8_matmul` draws it)."""
@@ -511,14 +550,16 @@ def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
     if n % 16 or k % 32:
         raise ValueError(f"int4_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
     nb = k // 32
-    codes = q.reshape(n // 16, 16, nb, 2, 4, 4)  # tile, column, block, half, quad, e
-    bytes_ = np.left_shift(codes[:, :, :, 1], 4, dtype=np.uint8)
-    np.bitwise_or(bytes_, codes[:, :, :, 0], out=bytes_)
-    tiles = bytes_.transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
     d, m = _blocks_d_m(parts)
     both = np.stack([d, m]).astype(np.float16).reshape(2, n // 16, 16, nb).transpose(1, 3, 0, 2)  # tile, block, which, column
     # Groups of Q8_GROUP_TILES tiles, each block by block across its tiles.
-    packed = grouped(tiles, np.uint8, Q8_GROUP_TILES)
+    packed = grouped_codes(q, 4, Q8_GROUP_TILES)
+    if packed is None:
+        codes = q.reshape(n // 16, 16, nb, 2, 4, 4)  # tile, column, block, half, quad, e
+        bytes_ = np.left_shift(codes[:, :, :, 1], 4, dtype=np.uint8)
+        np.bitwise_or(bytes_, codes[:, :, :, 0], out=bytes_)
+        tiles = bytes_.transpose(0, 2, 3, 1, 4)  # tile, block, quad, column, e
+        packed = grouped(tiles, np.uint8, Q8_GROUP_TILES)
     scales = grouped(both, np.float16, Q8_GROUP_TILES)
     return Int4Pack(torch.from_numpy(packed), torch.from_numpy(scales.view(np.uint16)), n, k, q8=True)
 

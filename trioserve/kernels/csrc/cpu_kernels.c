@@ -2669,3 +2669,83 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
     free(arena);
     return code;
 }
+
+/* ---- Load-time layouts (plain C on every build) ----------------------------
+   The weight layouts of trioserve_int4_q8_matmul and trioserve_int6_q8_matmul
+   (drawn above each) made from codes one a byte, u [n, k] (n a multiple of 16,
+   k of 32): tiles of 16 outputs in groups of `group` tiles (the last group
+   may hold fewer), each group block by block across its tiles. The same
+   bytes as the numpy packers in kernels/native.py (pack_int4_q8) and
+   kernels/int6.py (pack_int6_q8), which run where this library does not;
+   tests/kernels/test_pack_layout.py holds the two together. Groups are
+   independent, so they are shared among `threads`. */
+
+static int64_t pack_group_tiles(int64_t tiles, int64_t group, int64_t g) {
+    const int64_t left = tiles - g * group;
+    return left < group ? left : group;
+}
+
+/* 4-bit: a tile's block is 4 quads x 16 outputs x 4 bytes; byte e of quad j
+   of output c holds the block's input 4 j + e (low nibble) and 16 + 4 j + e
+   (high nibble). */
+void trioserve_pack_int4_q8_codes(const uint8_t *u, int64_t n, int64_t k, int64_t group, uint8_t *out, int threads) {
+    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t count = pack_group_tiles(tiles, group, g);
+        uint8_t *dst = out + g * group * nb * 256;
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t t = 0; t < count; t++)
+                for (int j = 0; j < 4; j++)
+                    for (int c = 0; c < 16; c++) {
+                        const uint8_t *src = u + ((g * group + t) * 16 + c) * k + b * 32 + 4 * j;
+                        for (int e = 0; e < 4; e++) *dst++ = (uint8_t)(src[e] | (src[16 + e] << 4));
+                    }
+    }
+}
+
+/* 6-bit: a tile's block is 2 halves (inputs 0-15, 16-31) x 3 planes x 16
+   outputs x 4 bytes. For half h, byte e of output c, with a..d the codes of
+   quads 0..3 (input 16 h + 4 j + e): plane 0 holds a's and b's low nibbles,
+   plane 1 c's and d's, plane 2 the four top 2-bit parts (a lowest). */
+void trioserve_pack_int6_q8_codes(const uint8_t *u, int64_t n, int64_t k, int64_t group, uint8_t *out, int threads) {
+    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t count = pack_group_tiles(tiles, group, g);
+        uint8_t *dst = out + g * group * nb * 384;
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t t = 0; t < count; t++)
+                for (int h = 0; h < 2; h++) {
+                    uint8_t *plane = dst;
+                    for (int c = 0; c < 16; c++) {
+                        const uint8_t *src = u + ((g * group + t) * 16 + c) * k + b * 32 + 16 * h;
+                        for (int e = 0; e < 4; e++) {
+                            const uint8_t a = src[e], bq = src[4 + e], cq = src[8 + e], d = src[12 + e];
+                            plane[c * 4 + e] = (uint8_t)((a & 15) | ((bq & 15) << 4));
+                            plane[64 + c * 4 + e] = (uint8_t)((cq & 15) | ((d & 15) << 4));
+                            plane[128 + c * 4 + e] = (uint8_t)((a >> 4) | ((bq >> 4) << 2) | ((cq >> 4) << 4) | ((d >> 4) << 6));
+                        }
+                    }
+                    dst += 192;
+                }
+    }
+}
+
+/* 4-bit codes out of GGUF blocks, one a byte: each of `blocks` blocks of
+   `block_bytes` bytes skips `header` bytes of scales, and every run of
+   `run` bytes after it holds `run` codes in its low nibbles, then `run`
+   more in its high ones (Q4_0/Q4_1: runs of 16; Q4_K: of 32). out: the
+   codes in the file's order, 2 (block_bytes - header) a block. */
+void trioserve_unpack_nibbles(const uint8_t *raw, int64_t blocks, int64_t block_bytes, int64_t header, int64_t run, uint8_t *out, int threads) {
+    const int64_t nibble_bytes = block_bytes - header;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *src = raw + b * block_bytes + header;
+        uint8_t *dst = out + b * nibble_bytes * 2;
+        for (int64_t r = 0; r < nibble_bytes; r += run) {
+            for (int64_t i = 0; i < run; i++) dst[2 * r + i] = src[r + i] & 15;
+            for (int64_t i = 0; i < run; i++) dst[2 * r + run + i] = src[r + i] >> 4;
+        }
+    }
+}

@@ -1,0 +1,95 @@
+"""The C library's load-time packers (`native.grouped_codes`) against the
+numpy packers they stand in for: `pack_int4_q8` and `pack_int6_q8` give
+the same bytes and scales with the library as without it, at every number
+of tiles around a group (whole groups, a short last group, one tile) and
+at several widths, and a weight packed either way computes the same
+outputs. Without a C compiler both sides are numpy, and the tests say so."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trioserve.config import NATIVE_KERNELS_ENV
+from trioserve.kernels import native
+from trioserve.kernels.int4 import Int4Parts, parts_from_gguf
+from trioserve.kernels.int6 import Int6Parts, pack_int6_q8
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
+SHAPES = [(16 * tiles, k) for tiles in (1, 2, 3, 4, 5, 6, 7, 9) for k in (32, 96)] + [(960, 576), (48, 1536)]
+
+
+def _both(pack, parts, monkeypatch):
+    """``pack(parts)`` by the C packer, then by numpy (the library switched off)."""
+    with_c = pack(parts)
+    monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
+    assert native.library() is None and native.grouped_codes(np.zeros((16, 32), np.uint8), 4, 3) is None
+    without = pack(parts)
+    monkeypatch.delenv(NATIVE_KERNELS_ENV)
+    return with_c, without
+
+
+def _int4_parts(n: int, k: int, seed: int) -> Int4Parts:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    return Int4Parts(q, torch.rand(n, k // 32, generator=g) * 0.02, torch.rand(n, k // 32, generator=g) * 0.02 - 0.01)
+
+
+def _int6_parts(n: int, k: int, seed: int, symmetric: bool) -> Int6Parts:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 16, generator=g) * 0.02).half().float()
+    m = -32 * d if symmetric else (torch.rand(n, k // 16, generator=g) * 0.02 - 0.01).half().float()
+    return Int6Parts(u, d, m)
+
+
+@needs_library
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_4_bit_packer_writes_numpys_bytes(n, k, monkeypatch):
+    with_c, without = _both(native.pack_int4_q8, _int4_parts(n, k, seed=n + k), monkeypatch)
+    assert torch.equal(with_c.packed, without.packed) and torch.equal(with_c.scales, without.scales)
+    assert (with_c.n, with_c.k, with_c.q8) == (without.n, without.k, without.q8) == (n, k, True)
+
+
+@needs_library
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["d_and_m", "symmetric"])
+def test_the_6_bit_packer_writes_numpys_bytes(n, k, symmetric, monkeypatch):
+    with_c, without = _both(pack_int6_q8, _int6_parts(n, k, seed=n * k, symmetric=symmetric), monkeypatch)
+    assert with_c.symmetric == without.symmetric == symmetric
+    assert torch.equal(with_c.packed, without.packed) and torch.equal(with_c.scales, without.scales)
+
+
+@needs_library
+def test_every_byte_of_a_code_reaches_the_4_bit_layout(monkeypatch):
+    # Codes with all 8 bits in use (not only 0..15) still pack alike: the
+    # two packers truncate the high nibble's shift the same way.
+    parts = Int4Parts(torch.arange(16 * 3 * 64, dtype=torch.int64).remainder(256).to(torch.uint8).view(48, 64), torch.ones(48, 2), torch.zeros(48, 2))
+    with_c, without = _both(native.pack_int4_q8, parts, monkeypatch)
+    assert torch.equal(with_c.packed, without.packed)
+
+
+@needs_library
+def test_a_weight_packed_by_c_computes_what_the_numpy_one_does(monkeypatch):
+    if not (native.library().trioserve_int4_q8_available() and native.library().trioserve_int6_q8_available()):
+        pytest.skip("the int8-activation kernels need AVX2 or AVX-512 VNNI or NEON dot products")
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
+    c4, n4 = _both(native.pack_int4_q8, _int4_parts(80, 96, seed=1), monkeypatch)
+    assert torch.equal(native.int4_q8_matmul(c4, x), native.int4_q8_matmul(n4, x))
+    c6, n6 = _both(pack_int6_q8, _int6_parts(80, 96, seed=2, symmetric=False), monkeypatch)
+    assert torch.equal(native.int6_q8_matmul(c6, x), native.int6_q8_matmul(n6, x))
+
+
+@needs_library
+@pytest.mark.parametrize(("qtype", "block_bytes"), [("Q4_0", 18), ("Q4_1", 20), ("Q4_K", 144)])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_the_c_unpacker_reads_the_codes_numpy_reads(qtype, block_bytes, rows, monkeypatch):
+    # Random bytes, scale fields included (parts_from_gguf does not look at
+    # their finiteness): every nibble of every block must land where numpy puts it.
+    raw = np.random.default_rng(rows).integers(0, 256, (rows, 2 * block_bytes * (256 // 32 if qtype != "Q4_K" else 1)), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        with_c, without = _both(lambda r: parts_from_gguf(r, qtype), raw, monkeypatch)
+    assert torch.equal(with_c.q, without.q)
+    for a, b in ((with_c.scale, without.scale), (with_c.zero, without.zero)):
+        assert np.array_equal(a.numpy(), b.numpy(), equal_nan=True)
