@@ -2680,56 +2680,55 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
    tests/kernels/test_pack_layout.py holds the two together. Groups are
    independent, so they are shared among `threads`. */
 
-static int64_t pack_group_tiles(int64_t tiles, int64_t group, int64_t g) {
-    const int64_t left = tiles - g * group;
-    return left < group ? left : group;
+/* Writes one tile's block: u at the tile's first output and the block's
+   first input (rows k apart), dst its bytes. */
+typedef void (*tile_block_writer)(const uint8_t *u, int64_t k, uint8_t *dst);
+
+static void pack_tiles(const uint8_t *u, int64_t n, int64_t k, int64_t group, int64_t bytes, tile_block_writer write, uint8_t *out, int threads) {
+    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t left = tiles - g * group, count = left < group ? left : group;
+        uint8_t *dst = out + g * group * nb * bytes;
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t t = 0; t < count; t++, dst += bytes) write(u + (g * group + t) * 16 * k + b * 32, k, dst);
+    }
 }
 
 /* 4-bit: a tile's block is 4 quads x 16 outputs x 4 bytes; byte e of quad j
    of output c holds the block's input 4 j + e (low nibble) and 16 + 4 j + e
    (high nibble). */
-void trioserve_pack_int4_q8_codes(const uint8_t *u, int64_t n, int64_t k, int64_t group, uint8_t *out, int threads) {
-    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t count = pack_group_tiles(tiles, group, g);
-        uint8_t *dst = out + g * group * nb * 256;
-        for (int64_t b = 0; b < nb; b++)
-            for (int64_t t = 0; t < count; t++)
-                for (int j = 0; j < 4; j++)
-                    for (int c = 0; c < 16; c++) {
-                        const uint8_t *src = u + ((g * group + t) * 16 + c) * k + b * 32 + 4 * j;
-                        for (int e = 0; e < 4; e++) *dst++ = (uint8_t)(src[e] | (src[16 + e] << 4));
-                    }
-    }
+static void int4_tile_block(const uint8_t *u, int64_t k, uint8_t *dst) {
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < 16; c++) {
+            const uint8_t *src = u + c * k + 4 * j;
+            for (int e = 0; e < 4; e++) *dst++ = (uint8_t)(src[e] | (src[16 + e] << 4));
+        }
 }
 
 /* 6-bit: a tile's block is 2 halves (inputs 0-15, 16-31) x 3 planes x 16
    outputs x 4 bytes. For half h, byte e of output c, with a..d the codes of
    quads 0..3 (input 16 h + 4 j + e): plane 0 holds a's and b's low nibbles,
    plane 1 c's and d's, plane 2 the four top 2-bit parts (a lowest). */
+static void int6_tile_block(const uint8_t *u, int64_t k, uint8_t *dst) {
+    for (int h = 0; h < 2; h++, dst += 192)
+        for (int c = 0; c < 16; c++) {
+            const uint8_t *src = u + c * k + 16 * h;
+            for (int e = 0; e < 4; e++) {
+                const uint8_t a = src[e], b = src[4 + e], cq = src[8 + e], d = src[12 + e];
+                dst[c * 4 + e] = (uint8_t)((a & 15) | ((b & 15) << 4));
+                dst[64 + c * 4 + e] = (uint8_t)((cq & 15) | ((d & 15) << 4));
+                dst[128 + c * 4 + e] = (uint8_t)((a >> 4) | ((b >> 4) << 2) | ((cq >> 4) << 4) | ((d >> 4) << 6));
+            }
+        }
+}
+
+void trioserve_pack_int4_q8_codes(const uint8_t *u, int64_t n, int64_t k, int64_t group, uint8_t *out, int threads) {
+    pack_tiles(u, n, k, group, 256, int4_tile_block, out, threads);
+}
+
 void trioserve_pack_int6_q8_codes(const uint8_t *u, int64_t n, int64_t k, int64_t group, uint8_t *out, int threads) {
-    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t count = pack_group_tiles(tiles, group, g);
-        uint8_t *dst = out + g * group * nb * 384;
-        for (int64_t b = 0; b < nb; b++)
-            for (int64_t t = 0; t < count; t++)
-                for (int h = 0; h < 2; h++) {
-                    uint8_t *plane = dst;
-                    for (int c = 0; c < 16; c++) {
-                        const uint8_t *src = u + ((g * group + t) * 16 + c) * k + b * 32 + 16 * h;
-                        for (int e = 0; e < 4; e++) {
-                            const uint8_t a = src[e], bq = src[4 + e], cq = src[8 + e], d = src[12 + e];
-                            plane[c * 4 + e] = (uint8_t)((a & 15) | ((bq & 15) << 4));
-                            plane[64 + c * 4 + e] = (uint8_t)((cq & 15) | ((d & 15) << 4));
-                            plane[128 + c * 4 + e] = (uint8_t)((a >> 4) | ((bq >> 4) << 2) | ((cq >> 4) << 4) | ((d >> 4) << 6));
-                        }
-                    }
-                    dst += 192;
-                }
-    }
+    pack_tiles(u, n, k, group, 384, int6_tile_block, out, threads);
 }
 
 /* 4-bit codes out of GGUF blocks, one a byte: each of `blocks` blocks of
