@@ -14,7 +14,7 @@ import torch
 from trioserve.config import NATIVE_KERNELS_ENV
 from trioserve.kernels import native
 from trioserve.kernels.int4 import Int4Parts, parts_from_gguf
-from trioserve.kernels.int6 import Int6Parts, pack_int6_q8
+from trioserve.kernels.int6 import Int6Parts, pack_int6_q8, parts_from_gguf6
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
 SHAPES = [(16 * tiles, k) for tiles in (1, 2, 3, 4, 5, 6, 7, 9) for k in (32, 96)] + [(960, 576), (48, 1536)]
@@ -93,3 +93,25 @@ def test_the_c_unpacker_reads_the_codes_numpy_reads(qtype, block_bytes, rows, mo
     assert torch.equal(with_c.q, without.q)
     for a, b in ((with_c.scale, without.scale), (with_c.zero, without.zero)):
         assert np.array_equal(a.numpy(), b.numpy(), equal_nan=True)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_the_c_unpacker_reads_the_6_bit_codes_numpy_reads(qtype, rows, monkeypatch):
+    # Random blocks (every bit of the codes' bytes in use), some with a zero
+    # scale (their codes become 0 either way): the codes, scales and
+    # offsets must come out the same with the C library as with numpy.
+    block_bytes, weights = {"Q6_K": (210, 256), "Q5_K": (176, 256), "Q5_0": (22, 32), "Q5_1": (24, 32)}[qtype]
+    rng = np.random.default_rng(rows + block_bytes)
+    raw = rng.integers(0, 256, (rows, 512 // weights, block_bytes), dtype=np.uint8)
+    fields = (208,) if qtype == "Q6_K" else (0,) if qtype == "Q5_0" else (0, 2)  # f16 d (and dmin or m)
+    for at in fields:
+        raw[..., at : at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    raw[0, 0, fields[0] : fields[0] + 2] = 0  # the first block's d: its codes come out 0
+    raw = raw.reshape(rows, -1)
+    with np.errstate(all="ignore"):
+        with_c, without = _both(lambda r: parts_from_gguf6(r, qtype), raw, monkeypatch)
+    assert torch.equal(with_c.u, without.u) and int(with_c.u.max()) <= (63 if qtype == "Q6_K" else 31)
+    assert int(with_c.u[0, :16].max()) == 0 and int(with_c.u.max()) > 0
+    assert torch.equal(with_c.d, without.d) and torch.equal(with_c.m, without.m)

@@ -87,28 +87,33 @@ def _codes6(raw: np.ndarray, qtype_name: str) -> tuple[np.ndarray, np.ndarray, n
     """`parts_from_gguf6` for one slice of rows: u [rows, K] uint8, d and m
     [rows, K / 16]. The codes are read from the blocks' bits (a group whose
     scale is 0 gets codes 0, as a code there means nothing)."""
+    from trioserve.kernels.native import unpack_codes6  # lazily: native's neighbours import this module
+
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, _BYTES[qtype_name])
     k = blocks.shape[1] * _WEIGHTS[qtype_name]
+    codes = unpack_codes6(raw, qtype_name)  # the C library's, in one pass; else numpy's, below
     half = lambda a, at: a[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     if qtype_name == "Q6_K":
         scale = half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [rows, supers, 16]
         exact_d, exact_m = scale, -32.0 * scale
-        u = _q6_k_codes(blocks)
+        u = _q6_k_codes(blocks) if codes is None else codes
     elif qtype_name == "Q5_K":
         sc, mins = _k_scales(blocks[..., 4:16])
         d32 = half(blocks, 0)[..., None] * sc
         m32 = -half(blocks, 2)[..., None] * mins
         exact_d, exact_m = np.repeat(d32, 2, axis=-1), np.repeat(m32, 2, axis=-1)
-        u = _q5_k_codes(blocks)
+        u = _q5_k_codes(blocks) if codes is None else codes
     else:
         d32 = half(blocks, 0)
         m32 = half(blocks, 2) if qtype_name == "Q5_1" else -16.0 * d32
         exact_d, exact_m = np.repeat(d32[..., None], 2, axis=-1), np.repeat(m32[..., None], 2, axis=-1)
-        u = _q5_codes(blocks, 4 if qtype_name == "Q5_1" else 2)
+        u = _q5_codes(blocks, 4 if qtype_name == "Q5_1" else 2) if codes is None else codes
     exact_d = exact_d.reshape(rows, k // GROUP)
     exact_m = exact_m.reshape(rows, k // GROUP)
-    u = np.where(exact_d[..., None] != 0, u.reshape(rows, k // GROUP, GROUP), 0).astype(np.uint8)
+    u = u.reshape(rows, k // GROUP, GROUP)
+    if not exact_d.all():
+        u = np.where(exact_d[..., None] != 0, u, 0).astype(np.uint8)
     return u.reshape(rows, k), _f16(exact_d), _f16(exact_m)
 
 

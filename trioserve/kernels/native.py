@@ -189,6 +189,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_unpack_nibbles
     fn.restype = None
     fn.argtypes = [_ptr] + [_i64] * 4 + [_ptr, ctypes.c_int]
+    fn = lib.trioserve_unpack_codes6
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, ctypes.c_int, _ptr, ctypes.c_int]
     return lib
 
 
@@ -539,6 +542,25 @@ def unpack_nibbles(raw: np.ndarray, block_bytes: int, header: int, run: int) -> 
     rows, blocks = raw.shape[0], raw.size // block_bytes
     out = np.empty((rows, blocks * (block_bytes - header) * 2 // max(rows, 1)), dtype=np.uint8)
     lib.trioserve_unpack_nibbles(raw.ctypes.data, blocks, block_bytes, header, run, out.ctypes.data, torch.get_num_threads())
+    return out
+
+
+CODES6_KINDS = {"Q6_K": (0, 210, 256), "Q5_K": (1, 176, 256), "Q5_0": (2, 22, 32), "Q5_1": (3, 24, 32)}
+
+
+def unpack_codes6(raw: np.ndarray, qtype_name: str) -> np.ndarray | None:
+    """The up-to-6-bit codes of Q6_K, Q5_K, Q5_0 or Q5_1 rows (raw [rows,
+    blocks * bytes] uint8), one a byte in the file's order, by the C
+    library: [rows, K] uint8. None where the library is not loaded
+    (kernels/int6.py reads them with numpy then)."""
+    lib = library()
+    if lib is None:
+        return None
+    kind, block_bytes, weights = CODES6_KINDS[qtype_name]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    blocks = raw.size // block_bytes
+    out = np.empty((raw.shape[0], raw.shape[1] // block_bytes * weights), dtype=np.uint8)
+    lib.trioserve_unpack_codes6(raw.ctypes.data, blocks, kind, out.ctypes.data, torch.get_num_threads())
     return out
 
 

@@ -2748,3 +2748,44 @@ void trioserve_unpack_nibbles(const uint8_t *raw, int64_t blocks, int64_t block_
         }
     }
 }
+
+/* Codes of up to 6 bits out of GGUF blocks, one a byte, in the file's
+   order: `kind` 0 Q6_K (210-byte blocks of 256: 128 bytes of low nibbles,
+   64 of 2-bit high parts), 1 Q5_K (176 of 256: 16 bytes of scales, 32 of
+   fifth bits, 128 of nibbles), 2 Q5_0 and 3 Q5_1 (22 and 24 of 32: f16
+   fields, a 32-bit word of fifth bits, 16 bytes of nibbles). The layouts
+   are kernels/int6.py's (_q6_k_codes, _q5_k_codes, _q5_codes), which serve
+   where this library does not. */
+void trioserve_unpack_codes6(const uint8_t *raw, int64_t blocks, int kind, uint8_t *out, int threads) {
+    static const int64_t bytes[4] = {210, 176, 22, 24}, weights[4] = {256, 256, 32, 32};
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *src = raw + b * bytes[kind];
+        uint8_t *o = out + b * weights[kind];
+        if (kind == 0) {
+            for (int half = 0; half < 2; half++, o += 128) {
+                const uint8_t *l = src + 64 * half, *h = src + 128 + 32 * half;
+                for (int i = 0; i < 32; i++) {
+                    o[i] = (uint8_t)((l[i] & 15) | ((h[i] & 3) << 4));
+                    o[32 + i] = (uint8_t)((l[32 + i] & 15) | (((h[i] >> 2) & 3) << 4));
+                    o[64 + i] = (uint8_t)((l[i] >> 4) | (((h[i] >> 4) & 3) << 4));
+                    o[96 + i] = (uint8_t)((l[32 + i] >> 4) | (((h[i] >> 6) & 3) << 4));
+                }
+            }
+        } else if (kind == 1) {
+            const uint8_t *h = src + 16, *q = src + 48;
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < 32; i++) {
+                    o[64 * j + i] = (uint8_t)((q[32 * j + i] & 15) | (((h[i] >> (2 * j)) & 1) << 4));
+                    o[64 * j + 32 + i] = (uint8_t)((q[32 * j + i] >> 4) | (((h[i] >> (2 * j + 1)) & 1) << 4));
+                }
+        } else {
+            const uint8_t *w = src + (kind == 2 ? 2 : 4), *q = w + 4;
+            const uint32_t fifth = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16) | ((uint32_t)w[3] << 24);
+            for (int j = 0; j < 16; j++) {
+                o[j] = (uint8_t)((q[j] & 15) | (((fifth >> j) & 1) << 4));
+                o[16 + j] = (uint8_t)((q[j] >> 4) | (((fifth >> (j + 16)) & 1) << 4));
+            }
+        }
+    }
+}
