@@ -115,3 +115,33 @@ def test_the_c_unpacker_reads_the_6_bit_codes_numpy_reads(qtype, rows, monkeypat
     assert torch.equal(with_c.u, without.u) and int(with_c.u.max()) <= (63 if qtype == "Q6_K" else 31)
     assert int(with_c.u[0, :16].max()) == 0 and int(with_c.u.max()) > 0
     assert torch.equal(with_c.d, without.d) and torch.equal(with_c.m, without.m)
+
+
+def _f16_fields(rng: np.random.Generator, count: int) -> np.ndarray:
+    """``count`` f16 values of every kind: normal ones across the range,
+    subnormals, zeros of both signs, the largest, infinities and NaN."""
+    special = np.array([0.0, -0.0, 6e-8, -6e-8, 3e-5, 65504.0, -65504.0, np.inf, -np.inf, np.nan], dtype=np.float16)
+    values = (rng.standard_normal(count) * 10.0 ** rng.integers(-7, 5, count)).astype(np.float16)
+    pick = rng.random(count) < 0.2
+    values[pick] = rng.choice(special, int(pick.sum()))
+    return values
+
+
+@needs_library
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_the_c_q4_k_scales_round_as_numpy_does(rows, monkeypatch):
+    # Random Q4_K blocks whose d and dmin take every kind of f16 (tiny and
+    # huge ones put the products' f16 rounding, subnormals and overflow to
+    # the test): the group scales and zeros must be numpy's, bit for bit.
+    rng = np.random.default_rng(rows)
+    raw = rng.integers(0, 256, (rows, 3, 144), dtype=np.uint8)
+    raw[..., 0:2] = _f16_fields(rng, rows * 3).view(np.uint8).reshape(rows, 3, 2)
+    raw[..., 2:4] = _f16_fields(rng, rows * 3).view(np.uint8).reshape(rows, 3, 2)
+    raw = raw.reshape(rows, -1)
+    with np.errstate(all="ignore"):
+        with_c, without = _both(lambda r: parts_from_gguf(r, "Q4_K"), raw, monkeypatch)
+    for a, b in ((with_c.scale, without.scale), (with_c.zero, without.zero)):
+        a, b = a.numpy(), b.numpy()
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        assert np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))
+    assert torch.equal(with_c.q, without.q)

@@ -97,16 +97,21 @@ def _parts_from_q4_k(raw: np.ndarray) -> Int4Parts:
     32 (j // 2) .. 32 (j // 2) + 31 for even j, the high ones for odd j."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, Q4_K_BLOCK_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    sc = blocks[..., 4:16].astype(np.int32)  # [rows, supers, 12]
-    # Groups 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); groups
-    # 4-7: the low nibble (scale) and high nibble (min) of bytes 8-11, over
-    # the top 2 bits of bytes 0-3 (scale) and 4-7 (min).
-    scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
-    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
-    group_d = (d[..., None] * scale).astype(np.float16).astype(np.float32)  # [rows, supers, 8]
-    group_m = (-dmin[..., None] * mins).astype(np.float16).astype(np.float32)
+    made = native.q4_k_scales(raw)  # the C library's, in one pass; else numpy's
+    if made is not None:
+        group_d, zero = made
+    else:
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        sc = blocks[..., 4:16].astype(np.int32)  # [rows, supers, 12]
+        # Groups 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); groups
+        # 4-7: the low nibble (scale) and high nibble (min) of bytes 8-11, over
+        # the top 2 bits of bytes 0-3 (scale) and 4-7 (min).
+        scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
+        mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+        group_d = (d[..., None] * scale).astype(np.float16).astype(np.float32)  # [rows, supers, 8]
+        group_m = (-dmin[..., None] * mins).astype(np.float16).astype(np.float32)
+        zero = group_m + 8 * group_d
     q = native.unpack_nibbles(raw, Q4_K_BLOCK_BYTES, 16, 32)  # the C library's, in one pass; else numpy's
     if q is None:
         packed = blocks[..., 16:].reshape(rows, -1, 4, 32)  # [rows, supers, chunk, byte]
@@ -114,7 +119,6 @@ def _parts_from_q4_k(raw: np.ndarray) -> Int4Parts:
         np.bitwise_and(packed, 0x0F, out=q[:, :, :, 0])
         np.right_shift(packed, 4, out=q[:, :, :, 1])
         q = q.reshape(rows, -1)
-    zero = group_m + 8 * group_d
     return Int4Parts(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(group_d.reshape(rows, -1)), torch.from_numpy(zero.reshape(rows, -1)))
 
 

@@ -192,6 +192,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_unpack_codes6
     fn.restype = None
     fn.argtypes = [_ptr, _i64, ctypes.c_int, _ptr, ctypes.c_int]
+    fn = lib.trioserve_q4_k_scales
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, _ptr, _ptr, ctypes.c_int]
     return lib
 
 
@@ -543,6 +546,21 @@ def unpack_nibbles(raw: np.ndarray, block_bytes: int, header: int, run: int) -> 
     out = np.empty((rows, blocks * (block_bytes - header) * 2 // max(rows, 1)), dtype=np.uint8)
     lib.trioserve_unpack_nibbles(raw.ctypes.data, blocks, block_bytes, header, run, out.ctypes.data, torch.get_num_threads())
     return out
+
+
+def q4_k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Q4_K rows' group scales and zeros ([rows, supers * 144] uint8 ->
+    two [rows, supers * 8] float32), as kernels/int4.py's numpy makes
+    them, by the C library; None where it is not loaded."""
+    lib = library()
+    if lib is None:
+        return None
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    supers = raw.size // 144
+    scale = np.empty((raw.shape[0], raw.shape[1] // 144 * 8), dtype=np.float32)
+    zero = np.empty_like(scale)
+    lib.trioserve_q4_k_scales(raw.ctypes.data, supers, scale.ctypes.data, zero.ctypes.data, torch.get_num_threads())
+    return scale, zero
 
 
 CODES6_KINDS = {"Q6_K": (0, 210, 256), "Q5_K": (1, 176, 256), "Q5_0": (2, 22, 32), "Q5_1": (3, 24, 32)}

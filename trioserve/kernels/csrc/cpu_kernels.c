@@ -2789,3 +2789,54 @@ void trioserve_unpack_codes6(const uint8_t *raw, int64_t blocks, int kind, uint8
         }
     }
 }
+
+/* A float rounded to the nearest f16 (ties to even; overflow to infinity,
+   NaN kept NaN with its top payload bits), as numpy's astype(float16)
+   rounds: the bits. */
+static uint16_t float_to_f16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) {
+        uint32_t payload = (ax & 0x7fffffu) >> 13;
+        if (ax > 0x7f800000u && !payload) payload = 1;
+        return (uint16_t)(sign | 0x7c00 | payload);
+    }
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* 65520 and up: infinity */
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal f16 or zero */
+        if (ax <= 0x33000000u) return (uint16_t)sign; /* at most 2^-25: 0 (the tie goes to even) */
+        const uint32_t m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - (ax >> 23);
+        uint32_t h = m >> shift;
+        const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = (ax - 0x38000000u) >> 13;
+    const uint32_t rest = ax & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* Q4_K's group scales as kernels/int4.py (_parts_from_q4_k) makes them:
+   each of a super-block's 8 groups takes scale f16(d s) and offset
+   f16(-dmin m) (d, dmin the block's f16 fields; s, m its 6-bit scale and
+   min, packed in 12 bytes), and zero = offset + 8 scale. `supers` blocks
+   of 144 bytes; scale and zero [supers * 8]. The products are exact in
+   float (11 by 6 bits), so rounding them once to f16 is numpy's rounding
+   of its float64 product. */
+void trioserve_q4_k_scales(const uint8_t *raw, int64_t supers, float *scale, float *zero, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *b = raw + s * 144, *q = b + 4;
+        const float d = f16_bits_to_float((uint16_t)(b[0] | (b[1] << 8)));
+        const float dmin = f16_bits_to_float((uint16_t)(b[2] | (b[3] << 8)));
+        for (int j = 0; j < 8; j++) {
+            const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+            const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+            const float gd = f16_bits_to_float(float_to_f16_bits(d * (float)sc));
+            const float gm = f16_bits_to_float(float_to_f16_bits(-dmin * (float)mn));
+            scale[s * 8 + j] = gd;
+            zero[s * 8 + j] = gm + 8.0f * gd;
+        }
+    }
+}
