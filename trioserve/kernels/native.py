@@ -542,9 +542,8 @@ def unpack_nibbles(raw: np.ndarray, block_bytes: int, header: int, run: int) -> 
     if lib is None:
         return None
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    rows, blocks = raw.shape[0], raw.size // block_bytes
-    out = np.empty((rows, blocks * (block_bytes - header) * 2 // max(rows, 1)), dtype=np.uint8)
-    lib.trioserve_unpack_nibbles(raw.ctypes.data, blocks, block_bytes, header, run, out.ctypes.data, torch.get_num_threads())
+    out = np.empty((raw.shape[0], raw.shape[1] // block_bytes * (block_bytes - header) * 2), dtype=np.uint8)
+    lib.trioserve_unpack_nibbles(raw.ctypes.data, raw.size // block_bytes, block_bytes, header, run, out.ctypes.data, torch.get_num_threads())
     return out
 
 
