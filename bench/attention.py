@@ -5,9 +5,9 @@ pools on ordinary pages against the pools on transparent huge pages
 (kernels/memory.py), alternated, best of several rounds each; with the
 rate of a plain in-order read of as many bytes for comparison. The
 default model's shapes: 9 query heads, 3 KV heads, head dim 64, blocks of
-16, bf16. The last line is one JSON object.
+16, bf16 (`--queries float32 --pool float32`: a float32 model's). The last line is one JSON object.
 
-    .venv/bin/python bench/attention.py [--rows 32] [--context 171] [--threads 2]
+    .venv/bin/python bench/attention.py [--rows 32] [--context 171] [--threads 2] [--queries float32] [--pool float32]
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from trioserve.models.step import SeqChunk, build_step
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
-def pools(num_blocks: int, huge: bool, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pools(num_blocks: int, huge: bool, gen: torch.Generator, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (LAYERS, KV_HEADS, num_blocks, BLOCK, DIM)
-    k, v = (memory.zeros(shape, dtype=torch.bfloat16) if huge else torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (memory.zeros(shape, dtype=dtype) if huge else torch.zeros(shape, dtype=dtype) for _ in range(2))
     for t in (k, v):
         for layer in t:
             layer.copy_(torch.randn(layer.shape, generator=gen))
@@ -45,6 +45,8 @@ def main() -> None:
         default="scattered",
         help="where a sequence's blocks lie: anywhere in the pool, or in one run each (as a fresh pool hands them out)",
     )
+    parser.add_argument("--queries", choices=("bfloat16", "float32"), default="bfloat16", help="the queries' dtype (a float32 model's)")
+    parser.add_argument("--pool", choices=("bfloat16", "float32"), default="bfloat16", help="the KV pool's dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.supports(HEADS, KV_HEADS, DIM):
@@ -55,8 +57,9 @@ def main() -> None:
     order = (torch.randperm(num_blocks, generator=gen) if args.layout == "scattered" else torch.arange(num_blocks)).tolist()
     chunks = [SeqChunk([1], args.context - 1, order[s * per_seq : (s + 1) * per_seq], decode=True) for s in range(args.rows)]
     group = build_step(chunks, BLOCK, fixed=True).groups[0]
-    queries = [torch.randn(args.rows, HEADS, DIM, generator=gen).bfloat16() for _ in range(LAYERS)]
-    layouts = {"ordinary pages": pools(num_blocks, False, gen), "huge pages": pools(num_blocks, True, gen)}
+    queries = [torch.randn(args.rows, HEADS, DIM, generator=gen).to(getattr(torch, args.queries)) for _ in range(LAYERS)]
+    pool = getattr(torch, args.pool)
+    layouts = {"ordinary pages": pools(num_blocks, False, gen, pool), "huge pages": pools(num_blocks, True, gen, pool)}
 
     def step(layers) -> float:
         t = time.perf_counter()
@@ -70,10 +73,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, layers in layouts.items():
             best[name] = min(best[name], step(layers))
-    read = LAYERS * args.rows * KV_HEADS * args.context * DIM * 2 * 2  # K and V, bf16
+    read = LAYERS * args.rows * KV_HEADS * args.context * DIM * 2 * pool.itemsize  # K and V
     plain = torch.randn(read // 4)
     plain_best = min(_timed(plain.sum) for _ in range(args.rounds))
-    print(f"# {args.rows} rows x {args.context} keys, blocks {args.layout}, {LAYERS} layers, {read / 1e6:.0f} MB of K/V a step, {args.threads} threads")
+    print(
+        f"# {args.rows} rows x {args.context} keys, blocks {args.layout}, {LAYERS} layers, {args.queries} queries, "
+        f"{args.pool} pool: {read / 1e6:.0f} MB of K/V a step, {args.threads} threads"
+    )
     print("| pool | ms per step | GB/s |")
     print("|---|---|---|")
     for name, t in best.items():

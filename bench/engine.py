@@ -2,7 +2,7 @@
 first token with 1, 8 and 32 concurrent requests (128-token prompts, 128
 output tokens, EOS ignored) on the default model, through the real actors.
 
-    .venv/bin/python bench/engine.py [--concurrency 1 --concurrency 8 ...] [--threads N] [--no-int4]
+    .venv/bin/python bench/engine.py [--concurrency 1 --concurrency 8 ...] [--threads N] [--no-int4] [--kv-cache-dtype bfloat16]
 
 Prints a table, then as its last line one JSON object:
 {"tokens_per_s": {"1": a, "8": b, "32": c}, "ttft_ms": {"1": ..., "8": ..., "32": ...}}
@@ -19,7 +19,7 @@ import torch
 import trio
 
 from trioserve.types import FinalEvent, GenerateRequest
-from trioserve.config import EngineConfig
+from trioserve.config import KV_CACHE_DTYPES, EngineConfig
 from trioserve.engine import open_engine
 from trioserve.types import SamplingParams
 
@@ -57,6 +57,7 @@ async def main_async(args) -> dict:
         use_int4=not args.no_int4,
         max_num_seqs=max(args.concurrency),
         prefill_budget=max(512, max(args.concurrency) + 1),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     results = {"tokens_per_s": {}, "ttft_ms": {}}
     async with open_engine(config) as engine:
@@ -74,11 +75,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, action="append")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-int4", action="store_true", help="bf16 matmuls at every batch size")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the KV pool's dtype (as the server's option)")
     args = parser.parse_args()
     args.concurrency = args.concurrency or [1, 8, 32]
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"KV pool {args.kv_cache_dtype}"
+    )
     results = trio.run(main_async, args)
     print("| concurrency | output tokens/s | mean TTFT ms |")
     print("|---|---|---|")
