@@ -238,8 +238,8 @@ def test_generate_sends_the_servers_sampling_params():
     assert cli.generate_engine_config("m", "float32") == EngineConfig(model="m", dtype="float32")
     serve = cli.build_parser().parse_args(["serve", "--model", "m", "--dtype", "float32"])
     config = EngineConfig(model="m", dtype="float32")
-    assert (serve.device, serve.max_num_seqs, serve.max_model_len, serve.kv_cache_bytes, serve.max_queue, serve.prefill_budget) == (
-        config.device, config.max_num_seqs, config.max_model_len, config.kv_cache_bytes, config.max_queue, config.prefill_budget,
+    assert (serve.device, serve.max_num_seqs, serve.max_model_len, serve.kv_cache_bytes, serve.max_queue, serve.prefill_budget, serve.max_step_ms) == (
+        config.device, config.max_num_seqs, config.max_model_len, config.kv_cache_bytes, config.max_queue, config.prefill_budget, config.max_step_ms,
     ), "serve's defaults are EngineConfig's, so generate runs the engine serve would"
     assert (not serve.no_prefix_cache, serve.prefix_cache_max_blocks, serve.prefix_cache_bytes, serve.prefix_cache_idle) == (
         config.prefix_cache, config.prefix_cache_max_blocks, config.prefix_cache_max_bytes, config.prefix_cache_idle_s,
@@ -252,6 +252,8 @@ def test_generate_sends_the_servers_sampling_params():
         (["--prefix-cache-bytes", "lots"], "argument --prefix-cache-bytes: must be a size like 512MiB or 2GiB, got 'lots'"),
         (["--max-sessions", "0"], "argument --max-sessions: must be a positive integer, got 0"),
         (["--session-idle", "-5"], "argument --session-idle: must be between 0.001 and 1e+09, got -5.0"),
+        (["--max-step-ms", "-1"], "argument --max-step-ms: must be between 0 and 3.6e+06, got -1.0"),
+        (["--max-step-ms", "soon"], "argument --max-step-ms: must be a number of milliseconds, got 'soon'"),
     ],
 )
 def test_bad_serve_limits_are_usage_errors(args, message, capsys):

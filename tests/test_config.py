@@ -25,6 +25,14 @@ def test_engine_config_refuses_a_budget_that_cannot_hold_every_row():
         EngineConfig(max_queue=0)
 
 
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "250"])
+def test_max_step_ms_is_a_number_of_milliseconds(value):
+    with pytest.raises(ValueError, match=r"max_step_ms must be a number of milliseconds, 0 or more, got"):
+        EngineConfig(max_step_ms=value)
+    assert EngineConfig().max_step_ms == 0.0  # off
+    assert settings_from_env({"TRIOSERVE_MAX_STEP_MS": "250"}).engine.max_step_ms == 250.0
+
+
 def test_settings_from_env_reads_every_kind_of_value():
     s = settings_from_env(
         {
@@ -47,6 +55,7 @@ def test_settings_from_env_reads_every_kind_of_value():
         ({"TRIOSERVE_MAX_NUM_SEQS": "many"}, "TRIOSERVE_MAX_NUM_SEQS: invalid literal"),
         ({"TRIOSERVE_KV_CACHE_BYTES": "lots"}, "TRIOSERVE_KV_CACHE_BYTES: must be a size"),
         ({"TRIOSERVE_MAX_NUM_SEQS": "600"}, "prefill_budget (512) must exceed max_num_seqs (600)"),
+        ({"TRIOSERVE_MAX_STEP_MS": "soon"}, "TRIOSERVE_MAX_STEP_MS: could not convert string to float"),
     ],
 )
 def test_bad_env_values_name_the_variable(env, fragment):

@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 429 (default 256)")
     srv.add_argument("--prefill-budget", type=_positive_int, default=512, help="tokens per engine step (default 512)")
     srv.add_argument(
+        "--max-step-ms",
+        type=_number_in(float, 0, 3_600_000, "a number of milliseconds"),
+        default=0.0,
+        help="while streams are decoding, plan each step to take about this long at most: a long prompt goes in "
+        "smaller chunks, so the others wait less between tokens (0: off, chunks up to --prefill-budget; default 0)",
+    )
+    srv.add_argument(
         "--speculative",
         choices=SPECULATIVE_MODES,
         default="off",
@@ -326,6 +333,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype or kv_cache_dtype_setting(os.environ),
         max_queue=args.max_queue,
         prefill_budget=args.prefill_budget,
+        max_step_ms=args.max_step_ms,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_max_blocks=args.prefix_cache_max_blocks,
         prefix_cache_max_bytes=args.prefix_cache_bytes,

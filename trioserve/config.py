@@ -18,6 +18,11 @@ def _positive(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
 
 
+def _not_negative(instance, attribute, value) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{attribute.name} must be a number of milliseconds, 0 or more, got {value!r}")
+
+
 def _seconds(instance, attribute, value) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
@@ -49,6 +54,10 @@ class EngineConfig:
     scattered blocks faster, but the first request makes the whole pool
     resident (kernels/memory.py).
     prefill_budget: tokens per step, decode rows and prefill chunks together.
+    max_step_ms: the time a step that carries decode rows is planned to take
+    at most: its prompt chunks shrink to fit, by what recent steps took, so
+    decoding streams do not wait seconds for a long prompt's chunk on a slow
+    CPU (0: off, chunks up to prefill_budget; state/scheduling.py).
     max_queue: requests waiting for admission before new ones get QueueFull.
     channel_size: bound of each actor's inbox.
     prefix_cache: share KV blocks of identical prompt prefixes; idle cached
@@ -84,6 +93,7 @@ class EngineConfig:
     kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     block_size: int = attrs.field(default=16, validator=_positive)
     prefill_budget: int = attrs.field(default=512, validator=_positive)
+    max_step_ms: float = attrs.field(default=0.0, validator=_not_negative)
     max_queue: int = attrs.field(default=256, validator=_positive)
     channel_size: int = attrs.field(default=64, validator=_positive)
     retry_after_s: float = 1.0
@@ -303,6 +313,7 @@ _ENV = {
     "TRIOSERVE_KV_CACHE_DTYPE": ("engine.kv_cache_dtype", _kv_dtype),
     "TRIOSERVE_MAX_QUEUE": ("engine.max_queue", int),
     "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
+    "TRIOSERVE_MAX_STEP_MS": ("engine.max_step_ms", float),
     "TRIOSERVE_PREFIX_CACHE": ("engine.prefix_cache", _flag),
     "TRIOSERVE_PREFIX_CACHE_MAX_BLOCKS": ("engine.prefix_cache_max_blocks", int),
     "TRIOSERVE_PREFIX_CACHE_BYTES": ("engine.prefix_cache_max_bytes", parse_byte_size),

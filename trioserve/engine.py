@@ -301,6 +301,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
         # token's, so it must not stand in for one; with int8 activations both take one path.
         share_generated_kv=not config.batch_invariant or model.kernels.activations == "int8",
         draft_tokens=config.draft_tokens,
+        max_step_s=config.max_step_ms / 1000,
     )
     core = new_core(settings, checkpoint.tokenizer)
     writer = None

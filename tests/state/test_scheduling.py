@@ -11,7 +11,7 @@ from trioserve.models.detokenizer import IncrementalDetokenizer
 from trioserve.types import SamplingParams
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool
-from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
+from trioserve.state.scheduling import MIN_PROMPT_CHUNK, PlannedRow, SchedulingPolicy
 from trioserve.state.sequence import Sequence
 from trioserve.state.stops import StopMatcher
 
@@ -308,3 +308,94 @@ def test_queue_full_at_max_queue(make):
     p.admit(0.0)
     p.enqueue(extra)
     assert list(p.waiting) == [w2, extra]
+
+
+# -- a step's time under max_step_s -------------------------------------------------
+
+# A made-up machine, in binary fractions so that every sum below is exact:
+# a step costs DECODE_S whenever it carries decode rows, and TOKEN_S a prompt token.
+DECODE_S, TOKEN_S = 0.25, 1 / 256
+
+
+def machine(rows: list[PlannedRow]) -> float:
+    return (DECODE_S if any(r.decode for r in rows) else 0.0) + TOKEN_S * sum(len(r.tokens) for r in rows if not r.decode)
+
+
+def _decoding_then_long(make, p: SchedulingPolicy, long_len: int) -> tuple[list[Sequence], Sequence]:
+    """Two short sequences prefilled and one decode-only step taken (each
+    timed on `machine`), then a long prompt admitted."""
+    shorts = [make("d1", 2, 400), make("d2", 2, 400)]
+    for seq in shorts:
+        p.enqueue(seq)
+    p.admit(0.0)
+    for _ in range(2):  # their prompts, then a step of decode rows alone
+        rows = p.plan()
+        p.timed(rows, machine(rows))
+        step(p, rows)
+    long = make("long", long_len, 2)
+    p.enqueue(long)
+    assert p.admit(0.0) == [long]
+    return shorts, long
+
+
+def _chunks(p: SchedulingPolicy, long: Sequence, steps: int) -> list[int]:
+    sizes = []
+    for _ in range(steps):
+        rows = p.plan()
+        sizes.append(sum(len(r.tokens) for r in rows if r.seq is long))
+        p.timed(rows, machine(rows))
+        step(p, rows)
+    return sizes
+
+
+def test_max_step_s_shrinks_prompt_chunks_to_fit_the_time_while_others_decode(make):
+    p = SchedulingPolicy(BlockPool(1024, BS), max_num_seqs=4, max_model_len=2048, prefill_budget=512, max_queue=8, max_step_s=0.5)
+    _, long = _decoding_then_long(make, p, 1500)
+    assert p.decode_step_s == DECODE_S
+    # Before any step has shown what a prompt token costs, the whole budget
+    # (minus the two decode rows); then (0.5 - 0.25) / (1/256) = 64 a step,
+    # and every step that carries decode rows is planned to take 0.5 s.
+    assert _chunks(p, long, 4) == [510, 64, 64, 64]
+    assert p.prompt_token_s == TOKEN_S
+
+
+def test_the_prompt_part_gets_at_least_the_decode_parts_time(make):
+    """A target under a decode-only step's own time still lets the prompt
+    part take as long as the decode part (1/4 s: 64 tokens), never less."""
+    p = SchedulingPolicy(BlockPool(1024, BS), max_num_seqs=4, max_model_len=2048, prefill_budget=512, max_queue=8, max_step_s=0.1)
+    _, long = _decoding_then_long(make, p, 1500)
+    assert _chunks(p, long, 3) == [510, 64, 64]
+
+
+def test_a_slow_machine_still_gets_the_smallest_chunk(make):
+    p = SchedulingPolicy(BlockPool(1024, BS), max_num_seqs=4, max_model_len=2048, prefill_budget=512, max_queue=8, max_step_s=0.5)
+    _, long = _decoding_then_long(make, p, 1500)
+    rows = p.plan()
+    p.timed(rows, 1000.0)  # a prompt token looked enormously dear
+    step(p, rows)
+    assert _chunks(p, long, 1) == [MIN_PROMPT_CHUNK]
+
+
+def test_without_max_step_s_or_decode_rows_chunks_fill_the_budget(make):
+    off = SchedulingPolicy(BlockPool(1024, BS), max_num_seqs=4, max_model_len=2048, prefill_budget=512, max_queue=8)
+    _, long = _decoding_then_long(make, off, 1500)
+    assert _chunks(off, long, 3) == [510, 510, 480]
+    # With the limit, a prompt alone (nothing decoding) still takes the whole budget.
+    alone = SchedulingPolicy(BlockPool(1024, BS), max_num_seqs=4, max_model_len=2048, prefill_budget=512, max_queue=8, max_step_s=0.01)
+    alone.decode_step_s, alone.prompt_token_s = DECODE_S, TOKEN_S
+    seq = make("alone", 1100, 2)
+    alone.enqueue(seq)
+    alone.admit(0.0)
+    assert _chunks(alone, seq, 3) == [512, 512, 76]
+
+
+def test_timed_learns_only_from_steps_with_enough_prompt_tokens(make):
+    p = policy()
+    seq = make("a", 8, 3)
+    p.enqueue(seq)
+    p.admit(0.0)
+    rows = p.plan()  # 8 prompt tokens: too few to price one
+    p.timed(rows, 0.5)
+    assert (p.decode_step_s, p.prompt_token_s) == (None, None)
+    p.timed(rows, 0.0)  # no time at all (equal clock readings) teaches nothing either
+    assert (p.decode_step_s, p.prompt_token_s) == (None, None)

@@ -101,6 +101,9 @@ class CoreSettings:
     share_generated_kv: bool = True
     # Prompt-lookup draft tokens per decode row (0: no speculative decoding).
     draft_tokens: int = 0
+    # The time a step with decode rows is planned to take at most (prompt
+    # chunks shrink to fit; 0: off). Traces from before it existed ran off.
+    max_step_s: float = 0.0
 
 
 def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
@@ -119,6 +122,7 @@ def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
         prefix_cache=prefixes,
         share_generated_kv=settings.share_generated_kv,
         draft_tokens=settings.draft_tokens,
+        max_step_s=settings.max_step_s,
     )
     return EngineCore(policy, tokenizer)
 
@@ -127,6 +131,7 @@ def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
 class _InFlight:
     plan: StepPlan
     rows: list[PlannedRow]
+    planned_at: float
 
 
 class EngineCore:
@@ -197,7 +202,7 @@ class EngineCore:
             return events, None
         self.steps_planned += 1
         plan = StepPlan(self.steps_planned, tuple(self._plan_row(r) for r in rows))
-        self._in_flight = _InFlight(plan, rows)
+        self._in_flight = _InFlight(plan, rows, now)
         return events, plan
 
     def result(self, result: StepResult, now: float) -> list[Event]:
@@ -217,6 +222,7 @@ class EngineCore:
         if len(result.pooled) != len(pooling):
             raise CoreMisuse(f"step {result.step} has {len(pooling)} pooling rows but its result has {len(result.pooled)}")
         self.policy.stepped(rows)
+        self.policy.timed(rows, now - flight.planned_at)
         self.stats.steps += 1
         self.stats.last_batch = len(rows)
         self.stats.prompt_tokens += sum(max(0, min(len(r.seq.prompt_ids), r.start + len(r.tokens)) - r.start) for r in rows)

@@ -18,6 +18,14 @@ Rules:
 - A step takes every running sequence's decode token first, then prefill
   chunks in admission order until the per-step token budget is spent, so a
   long prompt delays decoding rows by at most one chunk per step.
+- With ``max_step_s``, a step that carries decode rows also carries no
+  more prompt tokens than fit that time, by what the last steps took (a
+  decode-only step's time, and the time a prompt token added): on a slow
+  CPU or a big model a 512-token chunk takes seconds, and every decoding
+  stream would wait that long between two tokens. The prompt part never
+  gets less time than the decode part, nor fewer than
+  ``MIN_PROMPT_CHUNK`` tokens, so prefill always goes on. The times are
+  the callers' (`timed`), so a replay plans the same steps.
 - With speculative decoding (``draft_tokens``), a decode row also carries a
   guess at the tokens after its next one (state/ngram.py); the step checks
   them, and only what the model would have generated anyway is kept.
@@ -46,6 +54,11 @@ from trioserve.state.sequence import Sequence
 # Speculative drafts are planned only while at most this many sequences
 # decode (bench/README.md, "Speculative decoding").
 DRAFT_MAX_ROWS = 4
+# Under max_step_s: the fewest prompt tokens a step with decode rows takes,
+# and the fewest a step must carry to teach the cost of one.
+MIN_PROMPT_CHUNK = 16
+# Weight of the newest step in the running estimates of step costs.
+COST_WEIGHT = 0.5
 
 
 @attrs.frozen
@@ -94,9 +107,15 @@ class SchedulingPolicy:
         prefix_cache: PrefixCache | None = None,
         share_generated_kv: bool = True,
         draft_tokens: int = 0,
+        max_step_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.max_step_s = max_step_s
+        # What steps cost, from `timed`: a decode-only step, and each prompt
+        # token a step carries (over the decode rows' part).
+        self.decode_step_s: float | None = None
+        self.prompt_token_s: float | None = None
         self.draft_tokens = draft_tokens
         self.share_generated_kv = share_generated_kv
         self.cache = prefix_cache
@@ -213,6 +232,8 @@ class SchedulingPolicy:
             draft = self._draft(seq, per_row)
             rows.append(PlannedRow(seq, seq.pending(1) + list(draft), seq.num_cached, draft))
             budget -= 1 + len(draft)
+        if decoding and prefilling:
+            budget = min(budget, self._prompt_room())
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -220,6 +241,27 @@ class SchedulingPolicy:
             rows.append(PlannedRow(seq, tokens, seq.num_cached))
             budget -= len(tokens)
         return rows
+
+    def _prompt_room(self) -> int:
+        """Prompt tokens a step with decode rows may carry under
+        ``max_step_s`` (no limit while it is off or nothing is known)."""
+        if self.max_step_s <= 0 or self.prompt_token_s is None:
+            return self.prefill_budget
+        decode_s = self.decode_step_s or 0.0
+        spare = max(self.max_step_s - decode_s, decode_s)
+        return max(MIN_PROMPT_CHUNK, int(spare / self.prompt_token_s))
+
+    def timed(self, rows: list[PlannedRow], seconds: float) -> None:
+        """A step of ``rows`` took ``seconds`` from its plan to its result:
+        update what steps cost (what `plan` uses under ``max_step_s``)."""
+        if seconds <= 0:
+            return
+        prompt = sum(len(r.tokens) for r in rows if not r.decode)
+        if prompt == 0:
+            self.decode_step_s = _blend(self.decode_step_s, seconds)
+        elif prompt >= MIN_PROMPT_CHUNK:
+            decode_s = (self.decode_step_s or 0.0) if any(r.decode for r in rows) else 0.0
+            self.prompt_token_s = _blend(self.prompt_token_s, max(seconds - decode_s, seconds / 2) / prompt)
 
     def _draft_room(self, decoding: int) -> int:
         """Draft tokens each decode row may carry this step: none beyond
@@ -285,3 +327,8 @@ class SchedulingPolicy:
         if self.cache is not None:
             self.cache.trim(self.clock())  # the limits apply even when nothing was running
         return everyone
+
+
+def _blend(old: float | None, new: float) -> float:
+    """A running estimate: the newest value weighs COST_WEIGHT."""
+    return new if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * new
