@@ -26,60 +26,41 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 
 import torch
 
+from int8_activations import LAYERS, SHAPES, best, parts  # bench/int8_activations.py: SmolLM2's shapes, random 4-bit weights
 from trioserve.kernels import native
-from trioserve.kernels.int4 import Int4Parts
 
 PROBES = r"""
 #include <immintrin.h>
 #include <stdint.h>
 
-/* Each probe: eight independent chains of one instruction, nothing from
- * memory, kept out of line so that its registers are its own. */
-
-/* c = vpmaddubsw(a, c): 32 multiply-adds each. */
-__attribute__((noinline)) static int64_t maddubs_only(int64_t iters, int seed) {
-    __m256i c0 = _mm256_set1_epi8((char)(seed + 1)), c1 = _mm256_set1_epi8(2), c2 = _mm256_set1_epi8(3), c3 = _mm256_set1_epi8(4);
-    __m256i c4 = _mm256_set1_epi8(5), c5 = _mm256_set1_epi8(6), c6 = _mm256_set1_epi8(7), c7 = _mm256_set1_epi8(8);
-    const __m256i a = _mm256_set1_epi8(3);
-    for (int64_t t = 0; t < iters; t++) {
-        c0 = _mm256_maddubs_epi16(a, c0), c1 = _mm256_maddubs_epi16(a, c1), c2 = _mm256_maddubs_epi16(a, c2), c3 = _mm256_maddubs_epi16(a, c3);
-        c4 = _mm256_maddubs_epi16(a, c4), c5 = _mm256_maddubs_epi16(a, c5), c6 = _mm256_maddubs_epi16(a, c6), c7 = _mm256_maddubs_epi16(a, c7);
+/* Each probe: a loop of eight copies of one instruction, written in
+ * assembly so that the compiler can neither merge, spill nor reorder
+ * them. The integer ones write eight registers from two that never
+ * change (no chains at all); FMA accumulates into eight (chains four
+ * cycles long, eight of them: enough for two a cycle). The values do not
+ * matter. */
+#define EIGHT(OP, TAIL)                                                                              \
+    OP " %%ymm0, %%ymm1, %%ymm2" TAIL OP " %%ymm0, %%ymm1, %%ymm3" TAIL OP " %%ymm0, %%ymm1, %%ymm4" TAIL \
+    OP " %%ymm0, %%ymm1, %%ymm5" TAIL OP " %%ymm0, %%ymm1, %%ymm6" TAIL OP " %%ymm0, %%ymm1, %%ymm7" TAIL \
+    OP " %%ymm0, %%ymm1, %%ymm8" TAIL OP " %%ymm0, %%ymm1, %%ymm9" TAIL
+#define PROBE(NAME, OP)                                                                              \
+    __attribute__((noinline)) static int64_t NAME(int64_t iters) {                                   \
+        if (iters < 1) return 0;                                                                     \
+        __asm__ volatile("vpxor %%ymm0, %%ymm0, %%ymm0\n\tvpxor %%ymm1, %%ymm1, %%ymm1\n"            \
+                         "1:\n\t" EIGHT(OP, "\n\t") "dec %0\n\tjnz 1b\n\tvzeroupper"             \
+                         : "+r"(iters)                                                               \
+                         :                                                                           \
+                         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",    \
+                           "xmm9", "cc");                                                            \
+        return iters;                                                                                \
     }
-    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(c0, c1), _mm256_add_epi16(c2, c3)),
-                                       _mm256_add_epi16(_mm256_add_epi16(c4, c5), _mm256_add_epi16(c6, c7)));
-    return _mm256_extract_epi16(s, 0);
-}
 
-/* c = vpaddw(c, a): the kernel's int16 sums, and its other integer ops' pipes. */
-__attribute__((noinline)) static int64_t paddw_only(int64_t iters, int seed) {
-    __m256i c0 = _mm256_set1_epi16((short)seed), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-    const __m256i a = _mm256_set1_epi16(3);
-    for (int64_t t = 0; t < iters; t++) {
-        c0 = _mm256_add_epi16(c0, a), c1 = _mm256_add_epi16(c1, a), c2 = _mm256_add_epi16(c2, a), c3 = _mm256_add_epi16(c3, a);
-        c4 = _mm256_add_epi16(c4, a), c5 = _mm256_add_epi16(c5, a), c6 = _mm256_add_epi16(c6, a), c7 = _mm256_add_epi16(c7, a);
-    }
-    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(c0, c1), _mm256_add_epi16(c2, c3)),
-                                       _mm256_add_epi16(_mm256_add_epi16(c4, c5), _mm256_add_epi16(c6, c7)));
-    return _mm256_extract_epi16(s, 0);
-}
-
-/* c = a c + b: two a cycle on every x86 core with FMA, so its rate
- * over two is the clock the probes ran at. */
-__attribute__((noinline)) static int64_t fma_only(int64_t iters, int seed) {
-    __m256 c0 = _mm256_set1_ps((float)seed), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-9f);
-    for (int64_t t = 0; t < iters; t++) {
-        c0 = _mm256_fmadd_ps(a, c0, b), c1 = _mm256_fmadd_ps(a, c1, b), c2 = _mm256_fmadd_ps(a, c2, b), c3 = _mm256_fmadd_ps(a, c3, b);
-        c4 = _mm256_fmadd_ps(a, c4, b), c5 = _mm256_fmadd_ps(a, c5, b), c6 = _mm256_fmadd_ps(a, c6, b), c7 = _mm256_fmadd_ps(a, c7, b);
-    }
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
-                                   _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7)));
-    return (int64_t)_mm256_cvtss_f32(s);
-}
+PROBE(maddubs_only, "vpmaddubsw") /* 32 multiply-adds each */
+PROBE(paddw_only, "vpaddw")       /* the kernel's int16 sums, and its other integer ops' pipes */
+PROBE(fma_only, "vfmadd231ps")    /* two a cycle on every x86 core with FMA: its rate over two is the clock */
 
 /* Probe `which` (0 vpmaddubsw, 1 vpaddw, 2 FMA) on `threads` threads,
  * `iters` iterations of eight instructions each; returns a checksum. */
@@ -87,13 +68,11 @@ int64_t probe(int which, int64_t iters, int threads) {
     int64_t sum = 0;
 #pragma omp parallel for num_threads(threads) reduction(+ : sum)
     for (int t = 0; t < threads; t++)
-        sum += which == 0 ? maddubs_only(iters, t) : (which == 1 ? paddw_only(iters, t) : fma_only(iters, t));
+        sum += which == 0 ? maddubs_only(iters) : (which == 1 ? paddw_only(iters) : fma_only(iters));
     return sum;
 }
 """
 
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down
-LAYERS = 30
 
 
 def build_probes() -> ctypes.CDLL:
@@ -107,23 +86,6 @@ def build_probes() -> ctypes.CDLL:
     probes.probe.restype = ctypes.c_int64
     probes.probe.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     return probes
-
-
-def parts(n: int, k: int, gen: torch.Generator) -> Int4Parts:
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half().float()
-    zero = (scale * 8 - torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
-    return Int4Parts(q, scale, zero)
-
-
-def best(fn, rounds: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -156,7 +118,7 @@ def main() -> None:
         raise SystemExit("the int8-activation 4-bit kernel is not built here")
     small = native.pack_int4_q8(parts(960, 576, gen))  # 276 KB of codes: in the second-level cache
     xs = torch.randn(512, 576, generator=gen)
-    t = best(lambda: native.int4_q8_matmul(small, xs, threads=args.threads))
+    t = best(lambda: native.int4_q8_matmul(small, xs, threads=args.threads), 7)
     rates[f"int4_q8_matmul, 960 x 576 in cache, 512 rows, {args.threads} thread(s)"] = 512 * 960 * 576 * 2 / t / 1e9
     layers = [[native.pack_int4_q8(parts(n, k, gen)) for n, k in SHAPES] for _ in range(LAYERS)]
     per_row = sum(n * k for n, k in SHAPES) * LAYERS * 2
