@@ -5,13 +5,14 @@ the integer products).
 Measures, on one thread and on all of them:
 - the core's rates of `vpmaddubsw` (the products), `vpaddw` (the int16
   sums and the other integer ops) and FMA (two a cycle on every core that
-  has it, so it gives the clock), each alone: eight independent chains,
-  nothing from memory;
+  has it, so it gives the clock), each alone: loops of eight copies in
+  assembly, nothing from memory;
 - the kernel itself (`int4_q8_matmul`) with its weight in cache (960
   outputs x 576 inputs, 512 rows) and out of cache (SmolLM2's 30 layers of
   projections, 32 and 512 rows).
-Each as int8 operations a second (a multiply-add is two). A C compiler
-and the AVX2 build are needed; the script builds its probes with ``cc``.
+Each as int8 operations a second (a multiply-add is two). An x86-64 CPU
+with AVX2 and FMA and a C compiler are needed; the script builds its
+probes with ``cc`` (``$CC``) and says so where it cannot.
 
     .venv/bin/python bench/int8_peak.py [--threads 2]
 
@@ -24,6 +25,7 @@ import argparse
 import ctypes
 import json
 import os
+import platform
 import subprocess
 import tempfile
 
@@ -33,7 +35,6 @@ from int8_activations import LAYERS, SHAPES, best, parts  # bench/int8_activatio
 from trioserve.kernels import native
 
 PROBES = r"""
-#include <immintrin.h>
 #include <stdint.h>
 
 /* Each probe: a loop of eight copies of one instruction, written in
@@ -76,13 +77,17 @@ int64_t probe(int which, int64_t iters, int threads) {
 
 
 def build_probes() -> ctypes.CDLL:
-    folder = tempfile.mkdtemp(prefix="int8_peak-")
-    src, lib = os.path.join(folder, "probes.c"), os.path.join(folder, "probes.so")
-    with open(src, "w") as f:
-        f.write(PROBES)
-    cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-O3", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", src, "-o", lib], check=True)
-    probes = ctypes.CDLL(lib)
+    """The probes, compiled and loaded (the files are gone once loaded)."""
+    with tempfile.TemporaryDirectory(prefix="int8_peak-") as folder:
+        src, lib = os.path.join(folder, "probes.c"), os.path.join(folder, "probes.so")
+        with open(src, "w") as f:
+            f.write(PROBES)
+        cc = os.environ.get("CC", "cc")
+        try:
+            subprocess.run([cc, "-O3", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", src, "-o", lib], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SystemExit(f"the probes did not build with {cc}: {getattr(e, 'stderr', '') or e}") from None
+        probes = ctypes.CDLL(lib)
     probes.probe.restype = ctypes.c_int64
     probes.probe.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     return probes
@@ -93,6 +98,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if platform.machine() != "x86_64" or "avx2" not in flags or "fma" not in flags:
+        raise SystemExit(f"the probes are AVX2 and FMA assembly; this is {platform.machine()} without them")
     if native.isa() not in ("avx2", "avx2-vnni") and not os.environ.get("TRIOSERVE_CPU_FEATURES"):
         print(f"# note: this build's level is {native.isa()!r}; the kernel rows below are its kernels, not the AVX2 ones")
     probes = build_probes()

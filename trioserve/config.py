@@ -18,7 +18,7 @@ def _positive(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
 
 
-def _not_negative(instance, attribute, value) -> None:
+def _milliseconds(instance, attribute, value) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
         raise ValueError(f"{attribute.name} must be a number of milliseconds, 0 or more, got {value!r}")
 
@@ -93,7 +93,7 @@ class EngineConfig:
     kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     block_size: int = attrs.field(default=16, validator=_positive)
     prefill_budget: int = attrs.field(default=512, validator=_positive)
-    max_step_ms: float = attrs.field(default=0.0, validator=_not_negative)
+    max_step_ms: float = attrs.field(default=0.0, validator=_milliseconds)
     max_queue: int = attrs.field(default=256, validator=_positive)
     channel_size: int = attrs.field(default=64, validator=_positive)
     retry_after_s: float = 1.0

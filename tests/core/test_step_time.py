@@ -94,7 +94,18 @@ def test_chunks_fit_the_step_time_and_replay_plans_the_same(checkpoint, tmp_path
     assert difference.actual["rows"][2][2] == int(DECODE_S / ((2 * took_step_3 - DECODE_S) / 510)) == 30
 
 
-def test_off_by_default_and_in_old_traces(checkpoint):
-    _, _, tok = checkpoint
+def test_off_by_default_and_in_old_traces(checkpoint, tmp_path):
+    path, digest, tok = checkpoint
     assert CoreSettings(num_blocks=1, block_size=1, max_num_seqs=1, max_model_len=1, prefill_budget=2, max_queue=1).max_step_s == 0.0
-    assert drive(new_core(settings(0.0), tok)) == [510, 510, 480, 1]  # the last: its one decode token
+    trace = tmp_path / "trace.jsonl"
+    writer = TraceWriter(trace, header(settings(0.0), checkpoint_path=str(path), digest=digest, engine={}, vocab_size=tok.vocab_size))
+    assert drive(Recording(new_core(settings(0.0), tok), writer)) == [510, 510, 480, 1]  # the last: its one decode token
+    writer.close()
+    # A trace from before the setting existed: its header has no max_step_s, and it replays as off.
+    lines = trace.read_text().splitlines()
+    head = json.loads(lines[0])
+    del head["core"]["max_step_s"]
+    old = tmp_path / "old.jsonl"
+    old.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    summary = replay_trace(old)
+    assert summary.difference is None and summary.lines == len(lines) - 1
