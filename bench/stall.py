@@ -39,7 +39,7 @@ async def one_setting(model: str, max_step_ms: float, streams: int, output: int,
         started = trio.Event()
         firsts = 0
 
-        async def decoder(i: int) -> None:
+        async def decoder() -> None:
             nonlocal firsts
             prompt = torch.randint(3, vocab, (16,), generator=gen).tolist()
             params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
@@ -67,8 +67,8 @@ async def one_setting(model: str, max_step_ms: float, streams: int, output: int,
                     window["end"] = trio.current_time()
 
         async with trio.open_nursery() as nursery:
-            for i in range(streams):
-                nursery.start_soon(decoder, i)
+            for _ in range(streams):
+                nursery.start_soon(decoder)
             nursery.start_soon(long_prompt)
     during = sorted(gap for when, gap in gaps if window["start"] <= when <= window["end"] + 1e-3)
     return {
