@@ -26,7 +26,7 @@ HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 def pools(num_blocks: int, huge: bool, gen: torch.Generator, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (LAYERS, KV_HEADS, num_blocks, BLOCK, DIM)
-    k, v = (memory.zeros(shape, dtype=dtype) if huge else torch.zeros(shape, dtype=dtype) for _ in range(2))
+    k, v = (memory.zeros(shape, dtype=dtype, huge_pages=True) if huge else torch.zeros(shape, dtype=dtype) for _ in range(2))
     for t in (k, v):
         for layer in t:
             layer.copy_(torch.randn(layer.shape, generator=gen))
