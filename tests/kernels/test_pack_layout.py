@@ -13,7 +13,7 @@ import torch
 
 from trioserve.config import NATIVE_KERNELS_ENV
 from trioserve.kernels import native
-from trioserve.kernels.int4 import Int4Parts, parts_from_gguf
+from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection, concat_rows, parts_from_gguf
 from trioserve.kernels.int6 import Int6Parts, pack_int6_q8, parts_from_gguf6
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
@@ -145,3 +145,77 @@ def test_the_c_q4_k_scales_round_as_numpy_does(rows, monkeypatch):
         assert np.array_equal(np.isnan(a), np.isnan(b))
         assert np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))
     assert torch.equal(with_c.q, without.q)
+
+
+def _q4_tensor(qtype: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a Q4_0, Q4_1 or Q4_K tensor [rows, k] (every nibble
+    in use), their f16 fields of every kind: [rows, row bytes] uint8."""
+    bytes_, weights, fields = {"Q4_0": (18, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q4_K": (144, 256, (0, 2))}[qtype]
+    raw = rng.integers(0, 256, (rows, k // weights, bytes_), dtype=np.uint8)
+    for at in fields:
+        raw[..., at : at + 2] = _f16_fields(rng, rows * (k // weights)).view(np.uint8).reshape(rows, k // weights, 2)
+    return raw.reshape(rows, -1)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16) if a.dtype == torch.uint16 else a, b.view(torch.int16) if b.dtype == torch.uint16 else b)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 7])
+def test_4_bit_rows_are_laid_out_from_the_blocks_as_from_their_codes(qtype, tiles, monkeypatch):
+    # A fused weight of two tensors, the first's rows out of order (as a Q
+    # or K projection's are unpermuted): the C packer reading the file's
+    # blocks through row pointers writes the bytes and f16 scales that
+    # unpacking the codes and packing them writes, f16 fields of every
+    # kind included (subnormal, huge, infinite, NaN), with the library and
+    # without it (then `pack_int4_q8_rows` unpacks first).
+    rng = np.random.default_rng(tiles)
+    k = 512
+    first, second = _q4_tensor(qtype, 16 * tiles - 8, k, rng), _q4_tensor(qtype, 8, k, rng)
+    order = rng.permutation(first.shape[0])
+    fused = lambda: concat_rows([Int4Rows.of(first, qtype).take_rows(order), Int4Rows.of(second, qtype)])  # noqa: E731
+    rows = fused()
+    assert rows.shape == (16 * tiles, k)
+    with np.errstate(all="ignore"):
+        direct = native.pack_int4_q8_rows(rows)
+        unpacked = native.pack_int4_q8(rows.parts())
+        alone = parts_from_gguf(first, qtype), parts_from_gguf(second, qtype)
+        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
+        assert native.library() is None
+        fallback = native.pack_int4_q8_rows(fused())  # unpacked by numpy, then packed by numpy
+    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
+    assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
+    assert (direct.n, direct.k, direct.q8) == (16 * tiles, k, True)
+    # The parts themselves are the reordered rows of each tensor's own parts.
+    assert torch.equal(rows.q[: len(order)], alone[0].q[torch.from_numpy(order)])
+    assert torch.equal(rows.q[len(order) :], alone[1].q)
+
+
+def test_4_bit_rows_say_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="Int4Rows holds Q4_0, Q4_1, Q4_K blocks, not Q8_0"):
+        Int4Rows.of(np.zeros((16, 34), np.uint8), "Q8_0")
+    with pytest.raises(ValueError, match=r"parts of different widths \[32, 64\]"):
+        concat_rows([Int4Rows.of(np.zeros((16, 18), np.uint8), "Q4_0"), Int4Rows.of(np.zeros((16, 36), np.uint8), "Q4_0")])
+    with pytest.raises(ValueError, match=r"sources of different widths \[32, 64\]"):
+        Int4Rows((np.zeros((16, 18), np.uint8), np.zeros((16, 36), np.uint8)), "Q4_0", np.zeros((1, 2), np.int64))
+
+
+def test_a_projection_lets_the_files_pages_go_once_its_rows_are_packed():
+    # Int4Rows hold views of the mapped file: the projection made of them
+    # calls their release (the loader's madvise) once, after packing, and
+    # computes what the unpacked parts give.
+    rng = np.random.default_rng(5)
+    raw = _q4_tensor("Q4_1", 32, 256, rng).reshape(32, 8, 20)
+    raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)  # finite scales: a weight that computes
+    raw[..., 2:4] = np.array([-0.05], np.float16).view(np.uint8)
+    raw = raw.reshape(32, -1)
+    released = []
+    rows = Int4Rows.of(raw, "Q4_1", lambda: released.append(1))
+    dense = rows.dequantize()
+    proj = Projection(dense, None, rows, activations="int8")
+    assert released == [1]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    again = Projection(dense, None, parts_from_gguf(raw, "Q4_1"), activations="int8")
+    assert torch.equal(proj(x), again(x))

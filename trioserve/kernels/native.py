@@ -48,7 +48,7 @@ from trioserve.kernels.layout import grouped
 from trioserve.kernels.cpu import cpu_flags, level_fits
 
 if TYPE_CHECKING:
-    from trioserve.kernels.int4 import Int4Parts
+    from trioserve.kernels.int4 import Int4Parts, Int4Rows
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_q4_k_scales
     fn.restype = None
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, ctypes.c_int]
+    fn = lib.trioserve_pack_int4_q8_rows
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _i64, _ptr, _ptr, ctypes.c_int]
     return lib
 
 
@@ -602,6 +605,30 @@ def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
     scales = grouped(both, np.float16, Q8_GROUP_TILES)
     return Int4Pack(torch.from_numpy(packed), torch.from_numpy(scales.view(np.uint16)), n, k, q8=True)
 
+
+
+# `trioserve_pack_int4_q8_rows`'s kinds.
+_ROWS_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
+
+
+def pack_int4_q8_rows(rows: Int4Rows) -> Int4Pack:
+    """`pack_int4_q8` of a weight still in its GGUF blocks, laid out by the
+    C library straight from them (the same bytes, without unpacking the
+    codes one a byte or copying them between); through `Int4Parts` where
+    the library is not loaded."""
+    lib = library()
+    n, k = rows.shape
+    if lib is None:
+        return pack_int4_q8(rows.parts())
+    if n % 16 or k % 32:
+        raise ValueError(f"int4_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    addresses = rows.row_addresses()
+    codes = np.empty(n * k // 2, dtype=np.uint8)
+    scales = np.empty(n * k // 32 * 2, dtype=np.uint16)
+    lib.trioserve_pack_int4_q8_rows(
+        addresses.ctypes.data, n, k, _ROWS_KINDS[rows.qtype], Q8_GROUP_TILES, codes.ctypes.data, scales.ctypes.data, torch.get_num_threads()
+    )
+    return Int4Pack(torch.from_numpy(codes), torch.from_numpy(scales), n, k, q8=True)
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from trioserve.config import ACTIVATION_CHOICES, KERNEL_CHOICES
 from trioserve.kernels import reference
-from trioserve.kernels.int4 import Int4Parts, Projection
+from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection
 
 
 class Kernels:
@@ -193,6 +193,8 @@ class TritonProjection(Projection):
 
             self._matmul = quant_matmul.matmul
             self.packed = quant_matmul.pack_int4_parts(int4).to(weight.device)
+            if isinstance(int4, Int4Rows):  # unpacked by now: the file's pages can go
+                int4.release()
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(self.packed, x).to(x.dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from trioserve.errors import CheckpointError, TokenizerError
-from trioserve.kernels.int4 import INT4_TYPES, Int4Parts, parts_from_gguf
+from trioserve.kernels.int4 import INT4_TYPES, Int4Rows
 from trioserve.kernels.int6 import INT6_TYPES, Int6Parts, parts_from_gguf6
 from trioserve.kernels.int8w import Int8Parts, parts_from_q8_0
 from trioserve.kernels.w16 import W16_TYPES, W16Parts, parts_from_w16
@@ -110,7 +110,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     head_name = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
     held: dict[str, torch.Tensor] = {}
     made: dict[str, Callable[[], torch.Tensor]] = {}
-    int4: dict[str, Callable[[], Int4Parts]] = {}
+    int4: dict[str, Callable[[], Int4Rows]] = {}
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     int6: dict[str, Callable[[], Int6Parts]] = {}
     int8: dict[str, Callable[[], Int8Parts]] = {}
@@ -224,11 +224,12 @@ def _parts8(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int8Parts:
     return parts.take_rows(unpermute_rows(np.arange(parts.c.shape[0]), heads)) if heads else parts
 
 
-def _parts(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int4Parts:
-    """Tensor ``t``'s 4-bit codes, rows unpermuted for ``heads`` heads."""
-    parts = parts_from_gguf(t.data, t.tensor_type.name)
-    _drop_pages(reader, t)
-    return parts.take_rows(unpermute_rows(np.arange(parts.q.shape[0]), heads)) if heads else parts
+def _parts(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int4Rows:
+    """Tensor ``t``'s 4-bit rows, still in the file's blocks (unpacked or
+    laid out for a kernel when the model is built, which lets the file's
+    pages go then), rows unpermuted for ``heads`` heads."""
+    rows = Int4Rows.of(t.data, t.tensor_type.name, functools.partial(_drop_pages, reader, t))
+    return rows.take_rows(unpermute_rows(np.arange(rows.shape[0]), heads)) if heads else rows
 
 
 def _dense(path: Path, t: GGUFTensor, heads: int, dtype: torch.dtype, reader: GGUFFile | None = None) -> torch.Tensor:

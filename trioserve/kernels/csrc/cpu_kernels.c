@@ -2840,3 +2840,92 @@ void trioserve_q4_k_scales(const uint8_t *raw, int64_t supers, float *scale, flo
         }
     }
 }
+
+/* A 4-bit weight laid out for the int8-activation kernel straight from
+   its GGUF blocks, without the codes one a byte, the grouped copy or the
+   fused projection's concatenation in between (for an 8B model those took
+   most of the build). rows[i]: output row i's blocks in the mapped file
+   (any row of any tensor: the fused projection's parts and the Q/K row
+   order are in the pointers). kind 0 Q4_0 (18-byte blocks: f16 d, 16
+   nibble bytes), 1 Q4_1 (20: f16 d, f16 m, 16), 2 Q4_K (144-byte
+   super-blocks of 256). codes: `trioserve_pack_int4_q8_codes`'s bytes;
+   scales [group][K/32][tiles][d, m][16] f16, as kernels/native.py
+   `pack_int4_q8` writes them, with the same float steps (Int4Parts' scale
+   and zero, then m = zero - 8 d, both rounded to f16), so the same bits.
+   A Q4_0/Q4_1 tile byte is the file's nibble byte as it is: input 4 j + e
+   in its low nibble, 16 + 4 j + e in its high one. */
+/* One block's d and m as `pack_int4_q8` rounds them to f16 (from
+   Int4Parts' scale and zero: m = zero - 8 d), and its 16 nibble bytes
+   with input i (0-15) in the low nibble and 16 + i in the high one. For
+   Q4_K, d and m of the super-block's group j, and `shift` says which
+   nibbles of its 32 bytes are the group's. */
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+/* `float_to_f16_bits` of a finite float: F16C's conversion where the
+   CPU has it (round to nearest even, as IEEE and numpy round). */
+static inline uint16_t f16_of_finite(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return float_to_f16_bits(f);
+#endif
+}
+
+/* f16 bits to float (exact), F16C's where the CPU has it. */
+static inline float f16_value(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return f16_bits_to_float(h);
+#endif
+}
+
+static inline void q4_write(uint8_t *dst, uint16_t *sc, int c, float d, float zero, const uint8_t *nib, int shift, int k_quant) {
+    sc[c] = f16_of_finite(d);
+    sc[16 + c] = f16_of_finite(zero - 8.0f * d);
+    uint8_t b[16];
+    if (k_quant)
+        for (int i = 0; i < 16; i++) b[i] = (uint8_t)(((nib[i] >> shift) & 15) | (((nib[16 + i] >> shift) & 15) << 4));
+    else
+        memcpy(b, nib, 16);
+    for (int j = 0; j < 4; j++) memcpy(dst + j * 64 + c * 4, b + 4 * j, 4);
+}
+
+void trioserve_pack_int4_q8_rows(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int64_t group, uint8_t *codes,
+                                 uint16_t *scales, int threads) {
+    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t left = tiles - g * group, count = left < group ? left : group;
+        /* tile t's block b goes to (g group nb + b count + t): 256 code bytes, 32 scales */
+        for (int64_t t = 0; t < count; t++)
+            for (int c = 0; c < 16; c++) {
+                const uint8_t *row = rows[(g * group + t) * 16 + c];
+                if (kind == 2) {
+                    for (int64_t s = 0; s < nb / 8; s++) {
+                        const uint8_t *blk = row + s * 144, *q = blk + 4;
+                        const float sd = f16_value((uint16_t)(blk[0] | (blk[1] << 8)));
+                        const float smin = f16_value((uint16_t)(blk[2] | (blk[3] << 8)));
+                        for (int j = 0; j < 8; j++) {
+                            const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+                            const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+                            const float d = f16_value(f16_of_finite(sd * (float)sc));
+                            const float zero = f16_value(f16_of_finite(-smin * (float)mn)) + 8.0f * d;
+                            const int64_t at = g * group * nb + (8 * s + j) * count + t;
+                            q4_write(codes + at * 256, scales + at * 32, c, d, zero, blk + 16 + 32 * (j / 2), (j % 2) * 4, 1);
+                        }
+                    }
+                } else {
+                    const int64_t bytes = kind ? 20 : 18;
+                    for (int64_t b = 0; b < nb; b++) {
+                        const uint8_t *blk = row + b * bytes;
+                        const float d = f16_value((uint16_t)(blk[0] | (blk[1] << 8)));
+                        const float zero = kind ? f16_value((uint16_t)(blk[2] | (blk[3] << 8))) + 8.0f * d : 0.0f;
+                        const int64_t at = g * group * nb + b * count + t;
+                        q4_write(codes + at * 256, scales + at * 32, c, d, zero, blk + (kind ? 4 : 2), 0, 0);
+                    }
+                }
+            }
+    }
+}
