@@ -14,7 +14,7 @@ import torch
 from trioserve.config import NATIVE_KERNELS_ENV
 from trioserve.kernels import native
 from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection, concat_rows, parts_from_gguf
-from trioserve.kernels.int6 import Int6Parts, pack_int6_q8, parts_from_gguf6
+from trioserve.kernels.int6 import Int6Parts, Int6Rows, concat_rows6, pack_int6_q8, parts_from_gguf6
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
 SHAPES = [(16 * tiles, k) for tiles in (1, 2, 3, 4, 5, 6, 7, 9) for k in (32, 96)] + [(960, 576), (48, 1536)]
@@ -219,3 +219,62 @@ def test_a_projection_lets_the_files_pages_go_once_its_rows_are_packed():
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     again = Projection(dense, None, parts_from_gguf(raw, "Q4_1"), activations="int8")
     assert torch.equal(proj(x), again(x))
+
+
+def _q6_tensor(qtype: str, rows: int, k: int, rng: np.random.Generator, symmetric_scales: bool = False) -> np.ndarray:
+    """Random blocks of a Q6_K, Q5_K, Q5_0 or Q5_1 tensor [rows, k] (every
+    code bit in use), f16 fields of every kind and some groups with a zero
+    scale: [rows, row bytes] uint8."""
+    bytes_, weights = {"Q6_K": (210, 256), "Q5_K": (176, 256), "Q5_0": (22, 32), "Q5_1": (24, 32)}[qtype]
+    fields = (208,) if qtype == "Q6_K" else (0,) if qtype == "Q5_0" else (0, 2)
+    raw = rng.integers(0, 256, (rows, k // weights, bytes_), dtype=np.uint8)
+    for at in fields:
+        raw[..., at : at + 2] = _f16_fields(rng, rows * (k // weights)).view(np.uint8).reshape(rows, k // weights, 2)
+    if qtype == "Q6_K":
+        raw[0, 0, 192] = 0  # one group's int8 scale 0: its codes come out 0
+    else:
+        raw[0, 0, fields[0] : fields[0] + 2] = 0  # the first block's d 0
+    return raw.reshape(rows, -1)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 7])
+def test_6_bit_rows_are_laid_out_from_the_blocks_as_from_their_codes(qtype, tiles, monkeypatch):
+    # As for the 4-bit rows: a fused weight of two tensors, the first's rows
+    # reordered, packed by the C library from the blocks, equals unpacking
+    # then packing (with the library, and by numpy alone), symmetric or not
+    # as numpy finds it (Q6_K: m = -32 d wherever both round alike).
+    rng = np.random.default_rng(tiles + len(qtype))
+    k = 512
+    first, second = _q6_tensor(qtype, 16 * tiles - 8, k, rng), _q6_tensor(qtype, 8, k, rng)
+    order = rng.permutation(first.shape[0])
+    fused = lambda: concat_rows6([Int6Rows.of(first, qtype).take_rows(order), Int6Rows.of(second, qtype)])  # noqa: E731
+    rows = fused()
+    with np.errstate(all="ignore"):
+        direct = pack_int6_q8(rows)
+        unpacked = pack_int6_q8(rows.parts())
+        alone = parts_from_gguf6(first, qtype)
+        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
+        assert native.library() is None
+        fallback = pack_int6_q8(fused())
+    assert direct.symmetric == unpacked.symmetric == fallback.symmetric
+    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
+    assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
+    assert torch.equal(rows.u[: len(order)], alone.u[torch.from_numpy(order)])
+
+
+@needs_library
+def test_a_q6_k_weight_from_its_blocks_keeps_d_alone():
+    # Finite Q6_K scales: m = -32 d in every group, so the layout keeps d
+    # alone, from the blocks as from the codes; asking for it where a group
+    # breaks the rule (Q5_1's own m) is refused with the reason.
+    rng = np.random.default_rng(9)
+    raw = _q6_tensor("Q6_K", 32, 512, rng).reshape(32, 2, 210)
+    raw[..., 208:210] = np.array([0.002], np.float16).view(np.uint8)
+    rows = Int6Rows.of(raw.reshape(32, -1), "Q6_K")
+    assert pack_int6_q8(rows).symmetric and pack_int6_q8(rows.parts()).symmetric
+    q51 = _q6_tensor("Q5_1", 32, 512, rng).reshape(32, 16, 24)
+    q51[..., 0:4] = np.array([0.01, 0.5], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="a symmetric 6-bit pack needs m = -32 d in every group"):
+        pack_int6_q8(Int6Rows.of(q51.reshape(32, -1), "Q5_1"), symmetric=True)

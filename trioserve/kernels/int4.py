@@ -25,13 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import int6, int8w, native, reference, w16
-from trioserve.kernels.int6 import Int6Parts
+from trioserve.kernels.int6 import Int6Parts, Int6Rows
 from trioserve.kernels.int8w import Int8Parts
+from trioserve.kernels.layout import BlockRows
 
 # The codes that run only with int8 activations: their type -> (whether the C
 # kernel takes the shape, its packing, the C kernel, the torch twin).
 _CODES_Q8 = {
     Int6Parts: (native.int6_q8_supported, int6.pack_int6_q8, native.int6_q8_matmul, int6.int6_q8_matmul),
+    Int6Rows: (native.int6_q8_supported, int6.pack_int6_q8, native.int6_q8_matmul, int6.int6_q8_matmul),
     Int8Parts: (native.int8_q8_supported, int8w.pack_int8_q8, native.int8_q8_matmul, int8w.int8_q8_matmul),
 }
 
@@ -122,59 +124,18 @@ def _parts_from_q4_k(raw: np.ndarray) -> Int4Parts:
     return Int4Parts(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(group_d.reshape(rows, -1)), torch.from_numpy(zero.reshape(rows, -1)))
 
 
-class Int4Rows:
-    """A 4-bit weight still in its GGUF blocks (Q4_0, Q4_1 or Q4_K): output
-    row i is row ``order[i, 1]`` of ``sources[order[i, 0]]`` (each a
-    [rows, row bytes] uint8 view of the mapped file). For the
-    int8-activation kernel it is laid out straight from the blocks
-    (`native.pack_int4_q8_rows`: no codes one a byte, no grouped copy, no
-    concatenation of a fused projection's parts: most of an 8B model's
-    build); every other path reads it as `Int4Parts` (``q``, ``scale``,
-    ``zero``: unpacked once, when first asked for, the same values).
-    ``release()`` lets the file's pages go once the weight is packed."""
+class Int4Rows(BlockRows):
+    """A 4-bit weight still in its GGUF blocks (`layout.BlockRows`): laid
+    out for the int8-activation kernel straight from them
+    (`native.pack_int4_q8_rows`; for an 8B model, unpacking the codes one a
+    byte, grouping them and joining the fused projections' parts had been
+    most of the build); read as `Int4Parts` (``q``, ``scale``, ``zero``,
+    unpacked once when first asked for: the same values) everywhere else."""
 
-    def __init__(self, sources: tuple[np.ndarray, ...], qtype: str, order: np.ndarray, release: tuple[Callable[[], None], ...] = ()):
-        if qtype not in INT4_TYPES:
-            raise ValueError(f"Int4Rows holds {', '.join(INT4_TYPES)} blocks, not {qtype}")
-        self.sources = sources
-        self.qtype = qtype
-        self.order = np.ascontiguousarray(order, dtype=np.int64).reshape(-1, 2)
-        self._release = release
-        self._parts: Int4Parts | None = None
-        per_block = Q4_K_BLOCK_BYTES if qtype == "Q4_K" else {"Q4_0": 18, "Q4_1": 20}[qtype]
-        weights = 256 if qtype == "Q4_K" else GROUP
-        widths = {s.shape[1] // per_block * weights for s in sources}
-        if len(widths) != 1:
-            raise ValueError(f"Int4Rows: sources of different widths {sorted(widths)}")
-        self.k = widths.pop()
-
-    @classmethod
-    def of(cls, raw: np.ndarray, qtype: str, release: Callable[[], None] | None = None) -> Int4Rows:
-        """All of tensor ``raw``'s rows ([rows, row bytes] uint8), in order."""
-        order = np.stack([np.zeros(raw.shape[0], dtype=np.int64), np.arange(raw.shape[0])], axis=1)
-        return cls((raw,), qtype, order, (release,) if release else ())
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.order.shape[0], self.k)
-
-    def take_rows(self, order: np.ndarray) -> Int4Rows:
-        return Int4Rows(self.sources, self.qtype, self.order[np.asarray(order, dtype=np.int64)], self._release)
-
-    def row_addresses(self) -> np.ndarray:
-        """Each output row's first byte, as integers (uint64 [N])."""
-        base = np.array([s.ctypes.data for s in self.sources], dtype=np.uint64)
-        stride = np.array([s.strides[0] for s in self.sources], dtype=np.uint64)
-        return base[self.order[:, 0]] + stride[self.order[:, 0]] * self.order[:, 1].astype(np.uint64)
+    TYPES = {"Q4_0": (18, GROUP), "Q4_1": (20, GROUP), "Q4_K": (Q4_K_BLOCK_BYTES, 256)}
 
     def parts(self) -> Int4Parts:
-        """The codes, scales and zeros, unpacked (once, then kept)."""
-        if self._parts is None:
-            made = [parts_from_gguf(s, self.qtype) for s in self.sources]
-            offsets = np.cumsum([0] + [s.shape[0] for s in self.sources])[:-1]
-            whole = made[0] if len(made) == 1 else _cat_parts(made)
-            self._parts = whole.take_rows(offsets[self.order[:, 0]] + self.order[:, 1])
-        return self._parts
+        return self._unpacked(parts_from_gguf, _cat_parts)
 
     q = property(lambda self: self.parts().q)
     scale = property(lambda self: self.parts().scale)
@@ -182,11 +143,6 @@ class Int4Rows:
 
     def dequantize(self) -> torch.Tensor:
         return self.parts().dequantize()
-
-    def release(self) -> None:
-        """Let the file's pages behind the sources go (they are read again if touched)."""
-        for fn in self._release:
-            fn()
 
 
 def _cat_parts(parts: list[Int4Parts]) -> Int4Parts:
@@ -199,15 +155,7 @@ def concat_rows(parts: list[Int4Parts | Int4Rows]) -> Int4Parts | Int4Rows:
     widths = sorted({p.shape[1] for p in parts})
     if len(widths) != 1:
         raise ValueError(f"concat_rows: parts of different widths {widths}")
-    if all(isinstance(p, Int4Rows) for p in parts) and len({p.qtype for p in parts}) == 1:
-        sources: list[np.ndarray] = []
-        orders, release = [], []
-        for p in parts:
-            orders.append(p.order + np.array([len(sources), 0]))
-            sources.extend(p.sources)
-            release.extend(p._release)
-        return Int4Rows(tuple(sources), parts[0].qtype, np.concatenate(orders), tuple(release))
-    return _cat_parts([p.parts() if isinstance(p, Int4Rows) else p for p in parts])
+    return Int4Rows.joined(parts) or _cat_parts([p.parts() if isinstance(p, Int4Rows) else p for p in parts])
 
 
 # Rows per call of `tiled_linear` in batch-invariant mode: generated tokens
@@ -384,7 +332,7 @@ class Projection:
         if activations not in ("bf16", "int8"):
             raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
         self._setup(weight, bias, int4, use_native, activations)
-        if isinstance(int4, Int4Rows):  # packed or unpacked by now: the file's pages can go
+        if isinstance(int4, BlockRows):  # packed or unpacked by now: the file's pages can go
             int4.release()
         if isinstance(self.weight, DenseLater):  # a path below reads the dense values: make them now
             self.weight = self.weight.make()
@@ -417,7 +365,7 @@ class Projection:
                 self.native = pack(int4)
                 self.packed = self.native.packed
             else:
-                self.q8_twin = int4
+                self.q8_twin = int4.parts() if isinstance(int4, BlockRows) else int4
             self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
             return
         if activations == "int8":

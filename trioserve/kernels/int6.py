@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import torch
 
-from trioserve.kernels.layout import grouped
+from trioserve.kernels.layout import BlockRows, grouped
 from trioserve.kernels.reference import q8_blocks
 
 INT6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1")
@@ -49,8 +49,36 @@ class Int6Parts:
         return Int6Parts(self.u[index], self.d[index], self.m[index])
 
 
-def concat_rows6(parts: list[Int6Parts]) -> Int6Parts:
+class Int6Rows(BlockRows):
+    """A weight of up to 6-bit codes still in its GGUF blocks
+    (`layout.BlockRows`): laid out for the kernel straight from them
+    (`pack_int6_q8`, by `native.pack_int6_q8_rows`), read as `Int6Parts`
+    (``u``, ``d``, ``m``, unpacked once when first asked for) everywhere else."""
+
+    TYPES = {name: (_BYTES[name], _WEIGHTS[name]) for name in INT6_TYPES}
+
+    def parts(self) -> Int6Parts:
+        return self._unpacked(parts_from_gguf6, _cat_parts6)
+
+    u = property(lambda self: self.parts().u)
+    d = property(lambda self: self.parts().d)
+    m = property(lambda self: self.parts().m)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.parts().dequantize()
+
+
+def _cat_parts6(parts: list[Int6Parts]) -> Int6Parts:
     return Int6Parts(torch.cat([p.u for p in parts]), torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]))
+
+
+def concat_rows6(parts: list[Int6Parts | Int6Rows]) -> Int6Parts | Int6Rows:
+    """One weight of ``parts``' rows, one after the other: still in the
+    file's blocks where every part is (`Int6Rows` of one type), else unpacked."""
+    widths = sorted({p.shape[1] for p in parts})
+    if len(widths) != 1:
+        raise ValueError(f"concat_rows6: parts of different widths {widths}")
+    return Int6Rows.joined(parts) or _cat_parts6([p.parts() if isinstance(p, Int6Rows) else p for p in parts])
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -167,9 +195,18 @@ class Int6Pack:
     symmetric: bool = False
 
 
-def pack_int6_q8(parts: Int6Parts, *, symmetric: bool | None = None) -> Int6Pack:
+def pack_int6_q8(parts: Int6Parts | Int6Rows, *, symmetric: bool | None = None) -> Int6Pack:
     """``parts`` in the kernel's layout; ``symmetric``: whether to keep d
-    alone (default: where m = -32 d in every group; False keeps m as well)."""
+    alone (default: where m = -32 d in every group; False keeps m as well).
+    A weight still in its file's blocks is laid out from them by the C
+    library where it is loaded (the same bytes), else unpacked first."""
+    if isinstance(parts, Int6Rows):
+        from trioserve.kernels.native import pack_int6_q8_rows  # native imports this module's neighbours; lazily
+
+        packed = pack_int6_q8_rows(parts, symmetric)
+        if packed is not None:
+            return packed
+        parts = parts.parts()
     u = parts.u.numpy()
     n, k = u.shape
     if n % 16 or k % 32:

@@ -49,6 +49,7 @@ from trioserve.kernels.cpu import cpu_flags, level_fits
 
 if TYPE_CHECKING:
     from trioserve.kernels.int4 import Int4Parts, Int4Rows
+    from trioserve.kernels.int6 import Int6Rows
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,12 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_pack_int4_q8_rows
     fn.restype = None
     fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _i64, _ptr, _ptr, ctypes.c_int]
+    fn = lib.trioserve_pack_int6_q8_rows
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_int]
+    fn = lib.trioserve_int6_rows_symmetric
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int]
     return lib
 
 
@@ -629,6 +636,32 @@ def pack_int4_q8_rows(rows: Int4Rows) -> Int4Pack:
         addresses.ctypes.data, n, k, _ROWS_KINDS[rows.qtype], Q8_GROUP_TILES, codes.ctypes.data, scales.ctypes.data, torch.get_num_threads()
     )
     return Int4Pack(torch.from_numpy(codes), torch.from_numpy(scales), n, k, q8=True)
+
+
+def pack_int6_q8_rows(rows: Int6Rows, symmetric: bool | None = None):
+    """`int6.pack_int6_q8` of a weight still in its GGUF blocks, by the C
+    library straight from them (the same bytes and scales); None where the
+    library is not loaded."""
+    from trioserve.kernels.int6 import TILE_GROUPS, Int6Pack
+
+    lib = library()
+    if lib is None:
+        return None
+    n, k = rows.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"int6_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    addresses = rows.row_addresses()
+    kind = CODES6_KINDS[rows.qtype][0]
+    exact = bool(lib.trioserve_int6_rows_symmetric(addresses.ctypes.data, n, k, kind))
+    if symmetric and not exact:
+        raise ValueError("a symmetric 6-bit pack needs m = -32 d in every group")
+    symmetric = exact if symmetric is None else symmetric
+    codes = np.empty(n * k * 3 // 4, dtype=np.uint8)
+    scales = np.empty(n * k // 16 * (1 if symmetric else 2), dtype=np.uint16)
+    lib.trioserve_pack_int6_q8_rows(
+        addresses.ctypes.data, n, k, kind, TILE_GROUPS, int(symmetric), codes.ctypes.data, scales.ctypes.data, torch.get_num_threads()
+    )
+    return Int6Pack(torch.from_numpy(codes), torch.from_numpy(scales), n, k, symmetric)
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:

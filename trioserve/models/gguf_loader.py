@@ -15,7 +15,7 @@ import torch
 
 from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.kernels.int4 import INT4_TYPES, Int4Rows
-from trioserve.kernels.int6 import INT6_TYPES, Int6Parts, parts_from_gguf6
+from trioserve.kernels.int6 import INT6_TYPES, Int6Rows
 from trioserve.kernels.int8w import Int8Parts, parts_from_q8_0
 from trioserve.kernels.w16 import W16_TYPES, W16Parts, parts_from_w16
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
@@ -112,7 +112,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     made: dict[str, Callable[[], torch.Tensor]] = {}
     int4: dict[str, Callable[[], Int4Rows]] = {}
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    int6: dict[str, Callable[[], Int6Parts]] = {}
+    int6: dict[str, Callable[[], Int6Rows]] = {}
     int8: dict[str, Callable[[], Int8Parts]] = {}
     w16: dict[str, Callable[[], W16Parts]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
@@ -200,11 +200,11 @@ def _rows(t: GGUFTensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype).reshape(*ids.shape, -1)
 
 
-def _parts6(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int6Parts:
-    """Tensor ``t``'s codes of up to 6 bits, rows unpermuted for ``heads`` heads."""
-    parts = parts_from_gguf6(t.data, t.tensor_type.name)
-    _drop_pages(reader, t)
-    return parts.take_rows(unpermute_rows(np.arange(parts.u.shape[0]), heads)) if heads else parts
+def _parts6(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int6Rows:
+    """Tensor ``t``'s rows of up to 6-bit codes, still in the file's blocks
+    (as `_parts`), rows unpermuted for ``heads`` heads."""
+    rows = Int6Rows.of(t.data, t.tensor_type.name, functools.partial(_drop_pages, reader, t))
+    return rows.take_rows(unpermute_rows(np.arange(rows.shape[0]), heads)) if heads else rows
 
 
 def _parts16(path: Path, t: GGUFTensor, heads: int, reader: GGUFFile) -> W16Parts:

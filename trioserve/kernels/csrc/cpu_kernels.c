@@ -2929,3 +2929,89 @@ void trioserve_pack_int4_q8_rows(const uint8_t *const *rows, int64_t n, int64_t 
             }
     }
 }
+
+/* The up-to-6-bit weights (Q6_K, Q5_K, Q5_0, Q5_1; `kind` as
+   `trioserve_unpack_codes6`'s) laid out for `trioserve_int6_q8_matmul`
+   straight from their GGUF blocks, as the 4-bit ones above: the bytes and
+   f16 scales that kernels/int6.py's `parts_from_gguf6` then `pack_int6_q8`
+   write, by the same float steps. i6_block: block b's (32 inputs) codes
+   u[0..31], and each of its halves' exact d and m (before f16 rounding). */
+static inline void i6_block(const uint8_t *row, int kind, int64_t b, uint8_t *u, float *d, float *m) {
+    if (kind == 0) { /* Q6_K: 210 bytes a super-block of 256 */
+        const uint8_t *s = row + (b / 8) * 210;
+        const int jj = (int)(b % 8), half = jj / 4, r = jj % 4;
+        const uint8_t *l = s + 64 * half + (r & 1) * 32, *h = s + 128 + 32 * half;
+        for (int i = 0; i < 32; i++) u[i] = (uint8_t)(((l[i] >> (r & 2 ? 4 : 0)) & 15) | (((h[i] >> (2 * r)) & 3) << 4));
+        const float sd = f16_value((uint16_t)(s[208] | (s[209] << 8)));
+        for (int g = 0; g < 2; g++) {
+            d[g] = sd * (float)(int8_t)s[192 + 2 * jj + g];
+            m[g] = -32.0f * d[g];
+        }
+    } else if (kind == 1) { /* Q5_K: 176 bytes a super-block of 256 */
+        const uint8_t *s = row + (b / 8) * 176, *q = s + 4, *h = s + 16, *nib = s + 48 + 32 * ((b % 8) / 2);
+        const int jj = (int)(b % 8), shift = (jj % 2) * 4;
+        for (int i = 0; i < 32; i++) u[i] = (uint8_t)(((nib[i] >> shift) & 15) | (((h[i] >> jj) & 1) << 4));
+        const int sc = jj < 4 ? q[jj] & 63 : (q[jj + 4] & 15) | ((q[jj - 4] >> 6) << 4);
+        const int mn = jj < 4 ? q[jj + 4] & 63 : (q[jj + 4] >> 4) | ((q[jj] >> 6) << 4);
+        d[0] = d[1] = f16_value((uint16_t)(s[0] | (s[1] << 8))) * (float)sc;
+        m[0] = m[1] = -f16_value((uint16_t)(s[2] | (s[3] << 8))) * (float)mn;
+    } else { /* Q5_0 (22 bytes a block of 32) and Q5_1 (24) */
+        const int header = kind == 2 ? 2 : 4;
+        const uint8_t *s = row + b * (kind == 2 ? 22 : 24), *w = s + header, *q = w + 4;
+        const uint32_t fifth = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16) | ((uint32_t)w[3] << 24);
+        for (int j = 0; j < 16; j++) {
+            u[j] = (uint8_t)((q[j] & 15) | (((fifth >> j) & 1) << 4));
+            u[16 + j] = (uint8_t)((q[j] >> 4) | (((fifth >> (j + 16)) & 1) << 4));
+        }
+        d[0] = d[1] = f16_value((uint16_t)(s[0] | (s[1] << 8)));
+        m[0] = m[1] = kind == 2 ? -16.0f * d[0] : f16_value((uint16_t)(s[2] | (s[3] << 8)));
+    }
+}
+
+/* Whether every group's m is -32 d once both are rounded to f16 (Q6_K's
+   always are): then the layout keeps d alone (`symmetric`). 1 or 0. */
+int trioserve_int6_rows_symmetric(const uint8_t *const *rows, int64_t n, int64_t k, int kind) {
+    int symmetric = 1;
+#pragma omp parallel for reduction(&& : symmetric) schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            uint8_t u[32];
+            float d[2], m[2];
+            i6_block(rows[r], kind, b, u, d, m);
+            for (int g = 0; g < 2; g++) symmetric = symmetric && f16_value(f16_of_finite(m[g])) == -32.0f * f16_value(f16_of_finite(d[g]));
+        }
+    return symmetric;
+}
+
+void trioserve_pack_int6_q8_rows(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int64_t group, int symmetric,
+                                 uint8_t *codes, uint16_t *scales, int threads) {
+    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group, which = symmetric ? 1 : 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t left = tiles - g * group, count = left < group ? left : group;
+        for (int64_t t = 0; t < count; t++)
+            for (int c = 0; c < 16; c++) {
+                const uint8_t *row = rows[(g * group + t) * 16 + c];
+                for (int64_t b = 0; b < nb; b++) {
+                    uint8_t u[32];
+                    float d[2], m[2];
+                    i6_block(row, kind, b, u, d, m);
+                    const int64_t at = g * group * nb + b * count + t;
+                    uint8_t *dst = codes + at * 384;
+                    uint16_t *sc = scales + at * 2 * which * 16;
+                    for (int h = 0; h < 2; h++, dst += 192) {
+                        const uint8_t *q = u + 16 * h;
+                        const int zero = d[h] == 0.0f; /* a group whose scale is 0: its codes 0 */
+                        sc[(h * which) * 16 + c] = f16_of_finite(d[h]);
+                        if (!symmetric) sc[(h * which + 1) * 16 + c] = f16_of_finite(m[h]);
+                        for (int e = 0; e < 4; e++) {
+                            const uint8_t a = zero ? 0 : q[e], bb = zero ? 0 : q[4 + e], cq = zero ? 0 : q[8 + e], dd = zero ? 0 : q[12 + e];
+                            dst[c * 4 + e] = (uint8_t)((a & 15) | ((bb & 15) << 4));
+                            dst[64 + c * 4 + e] = (uint8_t)((cq & 15) | ((dd & 15) << 4));
+                            dst[128 + c * 4 + e] = (uint8_t)((a >> 4) | ((bb >> 4) << 2) | ((cq >> 4) << 4) | ((dd >> 4) << 6));
+                        }
+                    }
+                }
+            }
+    }
+}
