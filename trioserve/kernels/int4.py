@@ -133,16 +133,11 @@ class Int4Rows(BlockRows):
     unpacked once when first asked for: the same values) everywhere else."""
 
     TYPES = {"Q4_0": (18, GROUP), "Q4_1": (20, GROUP), "Q4_K": (Q4_K_BLOCK_BYTES, 256)}
-
-    def parts(self) -> Int4Parts:
-        return self._unpacked(parts_from_gguf, _cat_parts)
-
+    _unpack = staticmethod(lambda raw, qtype: parts_from_gguf(raw, qtype))
+    _cat = staticmethod(lambda parts: _cat_parts(parts))
     q = property(lambda self: self.parts().q)
     scale = property(lambda self: self.parts().scale)
     zero = property(lambda self: self.parts().zero)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.parts().dequantize()
 
 
 def _cat_parts(parts: list[Int4Parts]) -> Int4Parts:
@@ -150,12 +145,8 @@ def _cat_parts(parts: list[Int4Parts]) -> Int4Parts:
 
 
 def concat_rows(parts: list[Int4Parts | Int4Rows]) -> Int4Parts | Int4Rows:
-    """One weight of ``parts``' rows, one after the other: still in the
-    file's blocks where every part is (`Int4Rows` of one type), else unpacked."""
-    widths = sorted({p.shape[1] for p in parts})
-    if len(widths) != 1:
-        raise ValueError(f"concat_rows: parts of different widths {widths}")
-    return Int4Rows.joined(parts) or _cat_parts([p.parts() if isinstance(p, Int4Rows) else p for p in parts])
+    """One weight of ``parts``' rows, one after the other (`BlockRows.concat`)."""
+    return Int4Rows.concat(parts)
 
 
 # Rows per call of `tiled_linear` in batch-invariant mode: generated tokens

@@ -56,16 +56,11 @@ class Int6Rows(BlockRows):
     (``u``, ``d``, ``m``, unpacked once when first asked for) everywhere else."""
 
     TYPES = {name: (_BYTES[name], _WEIGHTS[name]) for name in INT6_TYPES}
-
-    def parts(self) -> Int6Parts:
-        return self._unpacked(parts_from_gguf6, _cat_parts6)
-
+    _unpack = staticmethod(lambda raw, qtype: parts_from_gguf6(raw, qtype))
+    _cat = staticmethod(lambda parts: _cat_parts6(parts))
     u = property(lambda self: self.parts().u)
     d = property(lambda self: self.parts().d)
     m = property(lambda self: self.parts().m)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.parts().dequantize()
 
 
 def _cat_parts6(parts: list[Int6Parts]) -> Int6Parts:
@@ -73,12 +68,8 @@ def _cat_parts6(parts: list[Int6Parts]) -> Int6Parts:
 
 
 def concat_rows6(parts: list[Int6Parts | Int6Rows]) -> Int6Parts | Int6Rows:
-    """One weight of ``parts``' rows, one after the other: still in the
-    file's blocks where every part is (`Int6Rows` of one type), else unpacked."""
-    widths = sorted({p.shape[1] for p in parts})
-    if len(widths) != 1:
-        raise ValueError(f"concat_rows6: parts of different widths {widths}")
-    return Int6Rows.joined(parts) or _cat_parts6([p.parts() if isinstance(p, Int6Rows) else p for p in parts])
+    """One weight of ``parts``' rows, one after the other (`BlockRows.concat`)."""
+    return Int6Rows.concat(parts)
 
 
 def _f16(a: np.ndarray) -> np.ndarray:

@@ -90,15 +90,38 @@ class BlockRows:
         stride = np.array([s.strides[0] for s in self.sources], dtype=np.uint64)
         return base[self.order[:, 0]] + stride[self.order[:, 0]] * self.order[:, 1].astype(np.uint64)
 
-    def _unpacked(self, unpack: Callable[[np.ndarray, str], Any], cat: Callable[[list], Any]):
-        """The weight unpacked once by ``unpack(source, qtype)`` per source,
-        joined by ``cat`` and put in ``order`` (each has ``take_rows``); kept."""
+    @staticmethod
+    def _unpack(raw: np.ndarray, qtype: str) -> Any:
+        """One source's rows unpacked (the subclass's parts type)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _cat(parts: list) -> Any:
+        """Unpacked parts one after the other."""
+        raise NotImplementedError
+
+    def parts(self) -> Any:
+        """The weight unpacked (each source once, joined and put in
+        ``order``), as the other paths take it; made when first asked, kept."""
         if self._parts is None:
-            made = [unpack(s, self.qtype) for s in self.sources]
+            made = [self._unpack(s, self.qtype) for s in self.sources]
             offsets = np.cumsum([0] + [s.shape[0] for s in self.sources])[:-1]
-            whole = made[0] if len(made) == 1 else cat(made)
+            whole = made[0] if len(made) == 1 else self._cat(made)
             self._parts = whole.take_rows(offsets[self.order[:, 0]] + self.order[:, 1])
         return self._parts
+
+    def dequantize(self) -> Any:
+        return self.parts().dequantize()
+
+    @classmethod
+    def concat(cls, parts: list) -> Any:
+        """One weight of ``parts``' rows (these, or unpacked parts), one
+        after the other: still in the file's blocks where every part is and
+        of one type, else unpacked."""
+        widths = sorted({p.shape[1] for p in parts})
+        if len(widths) != 1:
+            raise ValueError(f"{cls.__name__}.concat: parts of different widths {widths}")
+        return cls.joined(parts) or cls._cat([p.parts() if isinstance(p, cls) else p for p in parts])
 
     def release(self) -> None:
         """Let the file's pages behind the sources go (read again if touched)."""

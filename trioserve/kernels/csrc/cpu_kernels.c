@@ -2892,42 +2892,57 @@ static inline void q4_write(uint8_t *dst, uint16_t *sc, int c, float d, float ze
     for (int j = 0; j < 4; j++) memcpy(dst + j * 64 + c * 4, b + 4 * j, 4);
 }
 
-void trioserve_pack_int4_q8_rows(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int64_t group, uint8_t *codes,
-                                 uint16_t *scales, int threads) {
+/* The row packers' one driver: output row (g group + t) 16 + c, for every
+   group g of tiles (the groups shared among `threads`), tile t of it and
+   column c, goes to `pack` with where its tile's blocks lie: block b at
+   at0 + b count (in tile-blocks), as `pack_tiles` lays them. */
+typedef void (*row_packer)(const uint8_t *row, int64_t nb, int64_t at0, int64_t count, int c, int kind, int symmetric,
+                           uint8_t *codes, uint16_t *scales);
+
+static void pack_rows(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int symmetric, int64_t group, row_packer pack,
+                      uint8_t *codes, uint16_t *scales, int threads) {
     const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t left = tiles - g * group, count = left < group ? left : group;
-        /* tile t's block b goes to (g group nb + b count + t): 256 code bytes, 32 scales */
         for (int64_t t = 0; t < count; t++)
-            for (int c = 0; c < 16; c++) {
-                const uint8_t *row = rows[(g * group + t) * 16 + c];
-                if (kind == 2) {
-                    for (int64_t s = 0; s < nb / 8; s++) {
-                        const uint8_t *blk = row + s * 144, *q = blk + 4;
-                        const float sd = f16_value((uint16_t)(blk[0] | (blk[1] << 8)));
-                        const float smin = f16_value((uint16_t)(blk[2] | (blk[3] << 8)));
-                        for (int j = 0; j < 8; j++) {
-                            const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-                            const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-                            const float d = f16_value(f16_of_finite(sd * (float)sc));
-                            const float zero = f16_value(f16_of_finite(-smin * (float)mn)) + 8.0f * d;
-                            const int64_t at = g * group * nb + (8 * s + j) * count + t;
-                            q4_write(codes + at * 256, scales + at * 32, c, d, zero, blk + 16 + 32 * (j / 2), (j % 2) * 4, 1);
-                        }
-                    }
-                } else {
-                    const int64_t bytes = kind ? 20 : 18;
-                    for (int64_t b = 0; b < nb; b++) {
-                        const uint8_t *blk = row + b * bytes;
-                        const float d = f16_value((uint16_t)(blk[0] | (blk[1] << 8)));
-                        const float zero = kind ? f16_value((uint16_t)(blk[2] | (blk[3] << 8))) + 8.0f * d : 0.0f;
-                        const int64_t at = g * group * nb + b * count + t;
-                        q4_write(codes + at * 256, scales + at * 32, c, d, zero, blk + (kind ? 4 : 2), 0, 0);
-                    }
-                }
-            }
+            for (int c = 0; c < 16; c++) pack(rows[(g * group + t) * 16 + c], nb, g * group * nb + t, count, c, kind, symmetric, codes, scales);
     }
+}
+
+/* A 4-bit row's blocks into its tile-blocks: 256 code bytes and 32 scales each. */
+static void int4_row(const uint8_t *row, int64_t nb, int64_t at0, int64_t count, int c, int kind, int symmetric, uint8_t *codes,
+                     uint16_t *scales) {
+    (void)symmetric;
+    if (kind == 2) {
+        for (int64_t s = 0; s < nb / 8; s++) {
+            const uint8_t *blk = row + s * 144, *q = blk + 4;
+            const float sd = f16_value((uint16_t)(blk[0] | (blk[1] << 8)));
+            const float smin = f16_value((uint16_t)(blk[2] | (blk[3] << 8)));
+            for (int j = 0; j < 8; j++) {
+                const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+                const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+                const float d = f16_value(f16_of_finite(sd * (float)sc));
+                const float zero = f16_value(f16_of_finite(-smin * (float)mn)) + 8.0f * d;
+                const int64_t at = at0 + (8 * s + j) * count;
+                q4_write(codes + at * 256, scales + at * 32, c, d, zero, blk + 16 + 32 * (j / 2), (j % 2) * 4, 1);
+            }
+        }
+        return;
+    }
+    const int64_t bytes = kind ? 20 : 18;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bytes;
+        const float d = f16_value((uint16_t)(blk[0] | (blk[1] << 8)));
+        const float zero = kind ? f16_value((uint16_t)(blk[2] | (blk[3] << 8))) + 8.0f * d : 0.0f;
+        const int64_t at = at0 + b * count;
+        q4_write(codes + at * 256, scales + at * 32, c, d, zero, blk + (kind ? 4 : 2), 0, 0);
+    }
+}
+
+void trioserve_pack_int4_q8_rows(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int64_t group, uint8_t *codes,
+                                 uint16_t *scales, int threads) {
+    pack_rows(rows, n, k, kind, 0, group, int4_row, codes, scales, threads);
 }
 
 /* The up-to-6-bit weights (Q6_K, Q5_K, Q5_0, Q5_1; `kind` as
@@ -2983,35 +2998,34 @@ int trioserve_int6_rows_symmetric(const uint8_t *const *rows, int64_t n, int64_t
     return symmetric;
 }
 
+/* An up-to-6-bit row's blocks into its tile-blocks: 384 code bytes and
+   2 x (1 or 2) x 16 scales each (d alone where `symmetric`). */
+static void int6_row(const uint8_t *row, int64_t nb, int64_t at0, int64_t count, int c, int kind, int symmetric, uint8_t *codes,
+                     uint16_t *scales) {
+    const int64_t which = symmetric ? 1 : 2;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t u[32];
+        float d[2], m[2];
+        i6_block(row, kind, b, u, d, m);
+        const int64_t at = at0 + b * count;
+        uint8_t *dst = codes + at * 384;
+        uint16_t *sc = scales + at * 2 * which * 16;
+        for (int h = 0; h < 2; h++, dst += 192) {
+            const uint8_t *q = u + 16 * h;
+            const int zero = d[h] == 0.0f; /* a group whose scale is 0: its codes 0 */
+            sc[(h * which) * 16 + c] = f16_of_finite(d[h]);
+            if (!symmetric) sc[(h * which + 1) * 16 + c] = f16_of_finite(m[h]);
+            for (int e = 0; e < 4; e++) {
+                const uint8_t a = zero ? 0 : q[e], bb = zero ? 0 : q[4 + e], cq = zero ? 0 : q[8 + e], dd = zero ? 0 : q[12 + e];
+                dst[c * 4 + e] = (uint8_t)((a & 15) | ((bb & 15) << 4));
+                dst[64 + c * 4 + e] = (uint8_t)((cq & 15) | ((dd & 15) << 4));
+                dst[128 + c * 4 + e] = (uint8_t)((a >> 4) | ((bb >> 4) << 2) | ((cq >> 4) << 4) | ((dd >> 4) << 6));
+            }
+        }
+    }
+}
+
 void trioserve_pack_int6_q8_rows(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int64_t group, int symmetric,
                                  uint8_t *codes, uint16_t *scales, int threads) {
-    const int64_t tiles = n / 16, nb = k / 32, groups = (tiles + group - 1) / group, which = symmetric ? 1 : 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t left = tiles - g * group, count = left < group ? left : group;
-        for (int64_t t = 0; t < count; t++)
-            for (int c = 0; c < 16; c++) {
-                const uint8_t *row = rows[(g * group + t) * 16 + c];
-                for (int64_t b = 0; b < nb; b++) {
-                    uint8_t u[32];
-                    float d[2], m[2];
-                    i6_block(row, kind, b, u, d, m);
-                    const int64_t at = g * group * nb + b * count + t;
-                    uint8_t *dst = codes + at * 384;
-                    uint16_t *sc = scales + at * 2 * which * 16;
-                    for (int h = 0; h < 2; h++, dst += 192) {
-                        const uint8_t *q = u + 16 * h;
-                        const int zero = d[h] == 0.0f; /* a group whose scale is 0: its codes 0 */
-                        sc[(h * which) * 16 + c] = f16_of_finite(d[h]);
-                        if (!symmetric) sc[(h * which + 1) * 16 + c] = f16_of_finite(m[h]);
-                        for (int e = 0; e < 4; e++) {
-                            const uint8_t a = zero ? 0 : q[e], bb = zero ? 0 : q[4 + e], cq = zero ? 0 : q[8 + e], dd = zero ? 0 : q[12 + e];
-                            dst[c * 4 + e] = (uint8_t)((a & 15) | ((bb & 15) << 4));
-                            dst[64 + c * 4 + e] = (uint8_t)((cq & 15) | ((dd & 15) << 4));
-                            dst[128 + c * 4 + e] = (uint8_t)((a >> 4) | ((bb >> 4) << 2) | ((cq >> 4) << 4) | ((dd >> 4) << 6));
-                        }
-                    }
-                }
-            }
-    }
+    pack_rows(rows, n, k, kind, symmetric, group, int6_row, codes, scales, threads);
 }
