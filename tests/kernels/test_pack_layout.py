@@ -15,6 +15,7 @@ from trioserve.config import NATIVE_KERNELS_ENV
 from trioserve.kernels import native
 from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection, concat_rows, parts_from_gguf
 from trioserve.kernels.int6 import Int6Parts, Int6Rows, concat_rows6, pack_int6_q8, parts_from_gguf6
+from trioserve.kernels.int8w import Q8Rows, concat_rows8, pack_int8_q8, parts_from_q8_0
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
 SHAPES = [(16 * tiles, k) for tiles in (1, 2, 3, 4, 5, 6, 7, 9) for k in (32, 96)] + [(960, 576), (48, 1536)]
@@ -278,3 +279,32 @@ def test_a_q6_k_weight_from_its_blocks_keeps_d_alone():
     q51[..., 0:4] = np.array([0.01, 0.5], np.float16).view(np.uint8)
     with pytest.raises(ValueError, match="a symmetric 6-bit pack needs m = -32 d in every group"):
         pack_int6_q8(Int6Rows.of(q51.reshape(32, -1), "Q5_1"), symmetric=True)
+
+
+@needs_library
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 7])
+def test_q8_0_rows_are_laid_out_from_the_blocks_as_from_their_codes(tiles, monkeypatch):
+    # Q8_0 as the 4- and 6-bit rows: a fused weight of two tensors, the
+    # first's rows reordered, packed from the blocks by the C library,
+    # equals the codes' packing with it and without it (the file's f16
+    # scale bits kept as they are, finite or not).
+    rng = np.random.default_rng(tiles)
+    k = 256
+    tensors = []
+    for rows_ in (16 * tiles - 8, 8):
+        raw = rng.integers(0, 256, (rows_, k // 32, 34), dtype=np.uint8)
+        raw[..., 0:2] = _f16_fields(rng, rows_ * (k // 32)).view(np.uint8).reshape(rows_, k // 32, 2)
+        tensors.append(raw.reshape(rows_, -1))
+    order = rng.permutation(tensors[0].shape[0])
+    fused = lambda: concat_rows8([Q8Rows.of(tensors[0], "Q8_0").take_rows(order), Q8Rows.of(tensors[1], "Q8_0")])  # noqa: E731
+    rows = fused()
+    with np.errstate(all="ignore"):
+        direct = pack_int8_q8(rows)
+        unpacked = pack_int8_q8(rows.parts())
+        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
+        assert native.library() is None
+        fallback = pack_int8_q8(fused())
+    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
+    assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
+    assert (direct.n, direct.k) == (16 * tiles, k)
+    assert torch.equal(rows.c[: len(order)], parts_from_q8_0(tensors[0]).c[torch.from_numpy(order)])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from trioserve.kernels import int6, int8w, native, reference, w16
 from trioserve.kernels.int6 import Int6Parts, Int6Rows
-from trioserve.kernels.int8w import Int8Parts
+from trioserve.kernels.int8w import Int8Parts, Q8Rows
 from trioserve.kernels.layout import BlockRows
 
 # The codes that run only with int8 activations: their type -> (whether the C
@@ -35,6 +35,7 @@ _CODES_Q8 = {
     Int6Parts: (native.int6_q8_supported, int6.pack_int6_q8, native.int6_q8_matmul, int6.int6_q8_matmul),
     Int6Rows: (native.int6_q8_supported, int6.pack_int6_q8, native.int6_q8_matmul, int6.int6_q8_matmul),
     Int8Parts: (native.int8_q8_supported, int8w.pack_int8_q8, native.int8_q8_matmul, int8w.int8_q8_matmul),
+    Q8Rows: (native.int8_q8_supported, int8w.pack_int8_q8, native.int8_q8_matmul, int8w.int8_q8_matmul),
 }
 
 GROUP = 32

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from trioserve.kernels.int6 import TILE_GROUPS
-from trioserve.kernels.layout import grouped
+from trioserve.kernels.layout import BlockRows, grouped
 from trioserve.kernels.reference import q8_blocks
 
 BLOCK = 32
@@ -42,8 +42,26 @@ class Int8Parts:
         return Int8Parts(self.c[index], self.d[index])
 
 
-def concat_rows8(parts: list[Int8Parts]) -> Int8Parts:
+class Q8Rows(BlockRows):
+    """A Q8_0 weight still in its GGUF blocks (`layout.BlockRows`): laid
+    out for the kernel straight from them (`pack_int8_q8`, by
+    `native.pack_int8_q8_rows`), read as `Int8Parts` (``c``, ``d``,
+    unpacked once when first asked for) everywhere else."""
+
+    TYPES = {"Q8_0": (_BYTES, BLOCK)}
+    _unpack = staticmethod(lambda raw, qtype: parts_from_q8_0(raw))
+    _cat = staticmethod(lambda parts: _cat_parts8(parts))
+    c = property(lambda self: self.parts().c)
+    d = property(lambda self: self.parts().d)
+
+
+def _cat_parts8(parts: list[Int8Parts]) -> Int8Parts:
     return Int8Parts(torch.cat([p.c for p in parts]), torch.cat([p.d for p in parts]))
+
+
+def concat_rows8(parts: list[Int8Parts | Q8Rows]) -> Int8Parts | Q8Rows:
+    """One weight of ``parts``' rows, one after the other (`BlockRows.concat`)."""
+    return Q8Rows.concat(parts)
 
 
 def parts_from_q8_0(raw: np.ndarray) -> Int8Parts:
@@ -66,7 +84,17 @@ class Int8CodesPack:
     k: int
 
 
-def pack_int8_q8(parts: Int8Parts) -> Int8CodesPack:
+def pack_int8_q8(parts: Int8Parts | Q8Rows) -> Int8CodesPack:
+    """``parts`` in the kernel's layout; a weight still in its file's
+    blocks is laid out from them by the C library where it is loaded (the
+    same bytes), else unpacked first."""
+    if isinstance(parts, Q8Rows):
+        from trioserve.kernels.native import pack_int8_q8_rows  # native imports this module's neighbours; lazily
+
+        packed = pack_int8_q8_rows(parts)
+        if packed is not None:
+            return packed
+        parts = parts.parts()
     c = parts.c.numpy()
     n, k = c.shape
     if n % 16 or k % BLOCK:

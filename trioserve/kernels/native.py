@@ -50,6 +50,7 @@ from trioserve.kernels.cpu import cpu_flags, level_fits
 if TYPE_CHECKING:
     from trioserve.kernels.int4 import Int4Parts, Int4Rows
     from trioserve.kernels.int6 import Int6Rows
+    from trioserve.kernels.int8w import Q8Rows
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_pack_int6_q8_rows
     fn.restype = None
     fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_int]
+    fn = lib.trioserve_pack_int8_q8_rows
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int]
     fn = lib.trioserve_int6_rows_symmetric
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int]
@@ -662,6 +666,26 @@ def pack_int6_q8_rows(rows: Int6Rows, symmetric: bool | None = None):
         addresses.ctypes.data, n, k, kind, TILE_GROUPS, int(symmetric), codes.ctypes.data, scales.ctypes.data, torch.get_num_threads()
     )
     return Int6Pack(torch.from_numpy(codes), torch.from_numpy(scales), n, k, symmetric)
+
+
+def pack_int8_q8_rows(rows: Q8Rows):
+    """`int8w.pack_int8_q8` of a Q8_0 weight still in its GGUF blocks, by
+    the C library straight from them (the same bytes and scales); None
+    where the library is not loaded."""
+    from trioserve.kernels.int8w import Int8CodesPack
+    from trioserve.kernels.int6 import TILE_GROUPS
+
+    lib = library()
+    if lib is None:
+        return None
+    n, k = rows.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"int8_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    addresses = rows.row_addresses()
+    codes = np.empty(n * k, dtype=np.int8)
+    scales = np.empty(n * k // 32, dtype=np.uint16)
+    lib.trioserve_pack_int8_q8_rows(addresses.ctypes.data, n, k, TILE_GROUPS, codes.ctypes.data, scales.ctypes.data, torch.get_num_threads())
+    return Int8CodesPack(torch.from_numpy(codes), torch.from_numpy(scales), n, k)
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:

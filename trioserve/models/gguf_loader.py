@@ -16,7 +16,7 @@ import torch
 from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.kernels.int4 import INT4_TYPES, Int4Rows
 from trioserve.kernels.int6 import INT6_TYPES, Int6Rows
-from trioserve.kernels.int8w import Int8Parts, parts_from_q8_0
+from trioserve.kernels.int8w import Q8Rows
 from trioserve.kernels.w16 import W16_TYPES, W16Parts, parts_from_w16
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
@@ -113,7 +113,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     int4: dict[str, Callable[[], Int4Rows]] = {}
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     int6: dict[str, Callable[[], Int6Rows]] = {}
-    int8: dict[str, Callable[[], Int8Parts]] = {}
+    int8: dict[str, Callable[[], Q8Rows]] = {}
     w16: dict[str, Callable[[], W16Parts]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
@@ -217,11 +217,11 @@ def _parts16(path: Path, t: GGUFTensor, heads: int, reader: GGUFFile) -> W16Part
     return parts.take_rows(unpermute_rows(np.arange(parts.bits.shape[0]), heads)) if heads else parts
 
 
-def _parts8(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int8Parts:
-    """Tensor ``t``'s signed 8-bit codes (Q8_0), rows unpermuted for ``heads`` heads."""
-    parts = parts_from_q8_0(t.data)
-    _drop_pages(reader, t)
-    return parts.take_rows(unpermute_rows(np.arange(parts.c.shape[0]), heads)) if heads else parts
+def _parts8(t: GGUFTensor, heads: int, reader: GGUFFile) -> Q8Rows:
+    """Tensor ``t``'s Q8_0 rows, still in the file's blocks (as `_parts`),
+    rows unpermuted for ``heads`` heads."""
+    rows = Q8Rows.of(t.data, "Q8_0", functools.partial(_drop_pages, reader, t))
+    return rows.take_rows(unpermute_rows(np.arange(rows.shape[0]), heads)) if heads else rows
 
 
 def _parts(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int4Rows:

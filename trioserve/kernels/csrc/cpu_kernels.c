@@ -3029,3 +3029,23 @@ void trioserve_pack_int6_q8_rows(const uint8_t *const *rows, int64_t n, int64_t 
                                  uint8_t *codes, uint16_t *scales, int threads) {
     pack_rows(rows, n, k, kind, symmetric, group, int6_row, codes, scales, threads);
 }
+
+/* A Q8_0 row (34-byte blocks: f16 d, 32 int8 codes) into
+   `trioserve_int8_q8_matmul`'s tile-blocks (kernels/int8w.py
+   `pack_int8_q8`): 512 code bytes (quad j of 4 inputs, column c) and 16
+   f16 scales each, the file's bits as they are. */
+static void int8_row(const uint8_t *row, int64_t nb, int64_t at0, int64_t count, int c, int kind, int symmetric, uint8_t *codes,
+                     uint16_t *scales) {
+    (void)kind, (void)symmetric;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 34;
+        const int64_t at = at0 + b * count;
+        scales[at * 16 + c] = (uint16_t)(blk[0] | (blk[1] << 8));
+        for (int j = 0; j < 8; j++) memcpy(codes + at * 512 + j * 64 + c * 4, blk + 2 + 4 * j, 4);
+    }
+}
+
+void trioserve_pack_int8_q8_rows(const uint8_t *const *rows, int64_t n, int64_t k, int64_t group, uint8_t *codes, uint16_t *scales,
+                                 int threads) {
+    pack_rows(rows, n, k, 0, 0, group, int8_row, codes, scales, threads);
+}
