@@ -622,20 +622,29 @@ def pack_int4_q8(parts: Int4Parts) -> Int4Pack:
 _ROWS_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
 
 
+def _rows_packing(rows, kernel: str, code_bytes: float, scales: int):
+    """What a ``*_rows`` packer needs: the library, n, k, the rows'
+    addresses and empty codes ([n k code_bytes] uint8) and scales ([n k /
+    32 scales] uint16); None where the library is not loaded. ValueError
+    for a shape ``kernel`` does not take."""
+    lib = library()
+    if lib is None:
+        return None
+    n, k = rows.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"{kernel} takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
+    return lib, n, k, rows.row_addresses(), np.empty(int(n * k * code_bytes), dtype=np.uint8), np.empty(n * k // 32 * scales, dtype=np.uint16)
+
+
 def pack_int4_q8_rows(rows: Int4Rows) -> Int4Pack:
     """`pack_int4_q8` of a weight still in its GGUF blocks, laid out by the
     C library straight from them (the same bytes, without unpacking the
     codes one a byte or copying them between); through `Int4Parts` where
     the library is not loaded."""
-    lib = library()
-    n, k = rows.shape
-    if lib is None:
+    made = _rows_packing(rows, "int4_q8_matmul", 0.5, 2)
+    if made is None:
         return pack_int4_q8(rows.parts())
-    if n % 16 or k % 32:
-        raise ValueError(f"int4_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
-    addresses = rows.row_addresses()
-    codes = np.empty(n * k // 2, dtype=np.uint8)
-    scales = np.empty(n * k // 32 * 2, dtype=np.uint16)
+    lib, n, k, addresses, codes, scales = made
     lib.trioserve_pack_int4_q8_rows(
         addresses.ctypes.data, n, k, _ROWS_KINDS[rows.qtype], Q8_GROUP_TILES, codes.ctypes.data, scales.ctypes.data, torch.get_num_threads()
     )
@@ -651,17 +660,14 @@ def pack_int6_q8_rows(rows: Int6Rows, symmetric: bool | None = None):
     lib = library()
     if lib is None:
         return None
-    n, k = rows.shape
-    if n % 16 or k % 32:
-        raise ValueError(f"int6_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
-    addresses = rows.row_addresses()
     kind = CODES6_KINDS[rows.qtype][0]
-    exact = bool(lib.trioserve_int6_rows_symmetric(addresses.ctypes.data, n, k, kind))
+    n, k = rows.shape
+    addresses = rows.row_addresses()  # held while the library reads it
+    exact = n % 16 == 0 and k % 32 == 0 and bool(lib.trioserve_int6_rows_symmetric(addresses.ctypes.data, n, k, kind))
     if symmetric and not exact:
         raise ValueError("a symmetric 6-bit pack needs m = -32 d in every group")
     symmetric = exact if symmetric is None else symmetric
-    codes = np.empty(n * k * 3 // 4, dtype=np.uint8)
-    scales = np.empty(n * k // 16 * (1 if symmetric else 2), dtype=np.uint16)
+    lib, n, k, addresses, codes, scales = _rows_packing(rows, "int6_q8_matmul", 0.75, 2 if symmetric else 4)
     lib.trioserve_pack_int6_q8_rows(
         addresses.ctypes.data, n, k, kind, TILE_GROUPS, int(symmetric), codes.ctypes.data, scales.ctypes.data, torch.get_num_threads()
     )
@@ -672,20 +678,15 @@ def pack_int8_q8_rows(rows: Q8Rows):
     """`int8w.pack_int8_q8` of a Q8_0 weight still in its GGUF blocks, by
     the C library straight from them (the same bytes and scales); None
     where the library is not loaded."""
-    from trioserve.kernels.int8w import Int8CodesPack
     from trioserve.kernels.int6 import TILE_GROUPS
+    from trioserve.kernels.int8w import Int8CodesPack
 
-    lib = library()
-    if lib is None:
+    made = _rows_packing(rows, "int8_q8_matmul", 1, 1)
+    if made is None:
         return None
-    n, k = rows.shape
-    if n % 16 or k % 32:
-        raise ValueError(f"int8_q8_matmul takes weights of a multiple of 16 outputs and 32 inputs, got {n} x {k}")
-    addresses = rows.row_addresses()
-    codes = np.empty(n * k, dtype=np.int8)
-    scales = np.empty(n * k // 32, dtype=np.uint16)
+    lib, n, k, addresses, codes, scales = made
     lib.trioserve_pack_int8_q8_rows(addresses.ctypes.data, n, k, TILE_GROUPS, codes.ctypes.data, scales.ctypes.data, torch.get_num_threads())
-    return Int8CodesPack(torch.from_numpy(codes), torch.from_numpy(scales), n, k)
+    return Int8CodesPack(torch.from_numpy(codes.view(np.int8)), torch.from_numpy(scales), n, k)
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:
