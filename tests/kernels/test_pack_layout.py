@@ -15,7 +15,9 @@ from trioserve.config import NATIVE_KERNELS_ENV
 from trioserve.kernels import native
 from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection, concat_rows, parts_from_gguf
 from trioserve.kernels.int6 import Int6Parts, Int6Rows, concat_rows6, pack_int6_q8, parts_from_gguf6
+from trioserve.kernels import w16 as w16_module
 from trioserve.kernels.int8w import Q8Rows, concat_rows8, pack_int8_q8, parts_from_q8_0
+from trioserve.kernels.w16 import W16Rows, concat_rows16, pack_w16
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
 SHAPES = [(16 * tiles, k) for tiles in (1, 2, 3, 4, 5, 6, 7, 9) for k in (32, 96)] + [(960, 576), (48, 1536)]
@@ -308,3 +310,46 @@ def test_q8_0_rows_are_laid_out_from_the_blocks_as_from_their_codes(tiles, monke
     assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
     assert (direct.n, direct.k) == (16 * tiles, k)
     assert torch.equal(rows.c[: len(order)], parts_from_q8_0(tensors[0]).c[torch.from_numpy(order)])
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+@pytest.mark.parametrize("rows_", [5, 16, 40])
+def test_16_bit_rows_are_laid_out_from_the_file_as_from_their_bits(qtype, rows_, monkeypatch):
+    # F16/BF16 rows: a fused weight of two tensors, the first's rows
+    # reordered, a last tile short of 16 rows (zeros past n), K not a
+    # multiple of the packer's run of 64: the C packer reading the file's
+    # rows equals packing the bits, with the library and without.
+    rng = np.random.default_rng(rows_)
+    k = 200
+    def finite(r: int) -> np.ndarray:  # random finite values of the type, as the file's bytes
+        values = rng.standard_normal((r, k)).astype(np.float32)
+        bits = values.astype(np.float16).view(np.uint16) if qtype == "F16" else (values.view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8)
+
+    first, second = finite(rows_), finite(3)
+    order = rng.permutation(rows_)
+    fused = lambda: concat_rows16([W16Rows.of(first, qtype).take_rows(order), W16Rows.of(second, qtype)])  # noqa: E731
+    rows = fused()
+    direct = pack_w16(rows)
+    unpacked = pack_w16(rows.parts())
+    monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
+    assert native.library() is None
+    fallback = pack_w16(fused())
+    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
+    assert (direct.n, direct.k, direct.bf16) == (rows_ + 3, k, qtype == "BF16")
+    assert torch.equal(rows.bits[:rows_], torch.from_numpy(first.view(np.int16))[torch.from_numpy(order)])
+
+
+def test_16_bit_values_are_checked_finite_a_slice_at_a_time(monkeypatch):
+    # The load-time check reads the mapped file a slice of rows at a time
+    # (no copy of the whole) and still finds one NaN in the last slice.
+    monkeypatch.setattr(w16_module, "ROWS_AT_ONCE", 64)
+    bits = np.full((40, 32), np.float16(0.5)).view(np.int16)
+    w16_module.check_finite16(bits, "F16")
+    bits = bits.copy()
+    bits[39, 31] = np.array([np.nan], np.float16).view(np.int16)[0]
+    with pytest.raises(ValueError, match="contains NaN or infinity"):
+        w16_module.check_finite16(bits, "F16")
+    with pytest.raises(ValueError, match="cannot stack F16 and BF16 rows into one weight"):
+        concat_rows16([W16Rows.of(np.zeros((2, 64), np.uint8), "F16"), W16Rows.of(np.zeros((2, 64), np.uint8), "BF16")])

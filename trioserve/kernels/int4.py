@@ -340,7 +340,7 @@ class Projection:
         self.q8_twin = None
         if int4 is None or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
             return
-        if isinstance(int4, w16.W16Parts):
+        if isinstance(int4, (w16.W16Parts, w16.W16Rows)):
             # The file's 16-bit floats (kernels/w16.py): every row through their kernel,
             # whatever the activations; dense where it does not run.
             if use_native and native.w16_supported(*weight.shape):

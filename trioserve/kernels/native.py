@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from trioserve.kernels.int4 import Int4Parts, Int4Rows
     from trioserve.kernels.int6 import Int6Rows
     from trioserve.kernels.int8w import Q8Rows
+    from trioserve.kernels.w16 import W16Rows
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,9 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_pack_int8_q8_rows
     fn.restype = None
     fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int]
+    fn = lib.trioserve_pack_w16_rows
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     fn = lib.trioserve_int6_rows_symmetric
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int]
@@ -687,6 +691,22 @@ def pack_int8_q8_rows(rows: Q8Rows):
     lib, n, k, addresses, codes, scales = made
     lib.trioserve_pack_int8_q8_rows(addresses.ctypes.data, n, k, TILE_GROUPS, codes.ctypes.data, scales.ctypes.data, torch.get_num_threads())
     return Int8CodesPack(torch.from_numpy(codes.view(np.int8)), torch.from_numpy(scales), n, k)
+
+
+def pack_w16_rows(rows: W16Rows):
+    """`w16.pack_w16` of an F16/BF16 weight still in its file, by the C
+    library straight from the file's rows (the same bytes); None where the
+    library is not loaded."""
+    from trioserve.kernels.w16 import TILE, W16Pack
+
+    lib = library()
+    if lib is None:
+        return None
+    n, k = rows.shape
+    addresses = rows.row_addresses()
+    out = torch.empty(-(-n // TILE) * TILE * k, dtype=torch.int16)
+    lib.trioserve_pack_w16_rows(addresses.ctypes.data, n, k, out.data_ptr(), torch.get_num_threads())
+    return W16Pack(out, n, k, rows.bf16)
 
 
 def pack_int4(parts: Int4Parts) -> Int4Pack:

@@ -15,6 +15,8 @@ import attrs
 import numpy as np
 import torch
 
+from trioserve.kernels.layout import BlockRows
+
 W16_TYPES = ("F16", "BF16")
 TILE = 16  # outputs per tile in the kernel's layout
 
@@ -39,10 +41,47 @@ class W16Parts:
         return W16Parts(self.bits[torch.from_numpy(np.ascontiguousarray(order))], self.bf16)
 
 
-def concat_rows16(parts: list[W16Parts]) -> W16Parts:
+class W16Rows(BlockRows):
+    """An F16 or BF16 weight still in its GGUF file (`layout.BlockRows`,
+    blocks of one value): laid out for the kernel straight from the
+    file's rows (`pack_w16`, by `native.pack_w16_rows`), read as
+    `W16Parts` (``bits``, unpacked once when first asked for) everywhere
+    else. Its values are checked finite at load (`check_finite16`)."""
+
+    TYPES = {"F16": (2, 1), "BF16": (2, 1)}
+    _unpack = staticmethod(lambda raw, qtype: parts_from_w16(raw, qtype))
+    _cat = staticmethod(lambda parts: _cat_parts16(parts))
+    bits = property(lambda self: self.parts().bits)
+
+    @property
+    def bf16(self) -> bool:
+        return self.qtype == "BF16"
+
+
+def _cat_parts16(parts: list[W16Parts]) -> W16Parts:
     if len({p.bf16 for p in parts}) != 1:
         raise ValueError("cannot stack F16 and BF16 rows into one weight")
     return W16Parts(torch.cat([p.bits for p in parts]), parts[0].bf16)
+
+
+def concat_rows16(parts: list[W16Parts | W16Rows]) -> W16Parts | W16Rows:
+    """One weight of ``parts``' rows, one after the other (`BlockRows.concat`)."""
+    return W16Rows.concat(parts)
+
+
+ROWS_AT_ONCE = 1 << 20  # values `check_finite16` looks at a time
+
+
+def check_finite16(array: np.ndarray, qtype_name: str) -> None:
+    """ValueError if a 2-D F16 or BF16 tensor's data (any 2-byte dtype,
+    [N, K]) holds an infinity or NaN; read a slice of rows at a time, so
+    no copy of the whole is made."""
+    bits = np.asarray(array).view(np.int16)
+    exponent = np.int16(0x7F80) if qtype_name == "BF16" else np.int16(0x7C00)
+    step = max(1, ROWS_AT_ONCE // max(bits.shape[-1], 1))
+    for r0 in range(0, bits.shape[0], step):
+        if ((bits[r0 : r0 + step] & exponent) == exponent).any():
+            raise ValueError("contains NaN or infinity")
 
 
 def parts_from_w16(array: np.ndarray, qtype_name: str) -> W16Parts:
@@ -66,7 +105,17 @@ class W16Pack:
     bf16: bool
 
 
-def pack_w16(parts: W16Parts) -> W16Pack:
+def pack_w16(parts: W16Parts | W16Rows) -> W16Pack:
+    """``parts`` in the kernel's layout; a weight still in its file is laid
+    out from the file's rows by the C library where it is loaded (the same
+    bytes), else unpacked first."""
+    if isinstance(parts, W16Rows):
+        from trioserve.kernels.native import pack_w16_rows  # native imports this module's neighbours; lazily
+
+        packed = pack_w16_rows(parts)
+        if packed is not None:
+            return packed
+        parts = parts.parts()
     n, k = parts.bits.shape
     width = -(-n // TILE) * TILE
     bits = parts.bits if width == n else torch.cat([parts.bits, torch.zeros(width - n, k, dtype=torch.int16)])

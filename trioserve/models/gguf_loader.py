@@ -17,7 +17,7 @@ from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.kernels.int4 import INT4_TYPES, Int4Rows
 from trioserve.kernels.int6 import INT6_TYPES, Int6Rows
 from trioserve.kernels.int8w import Q8Rows
-from trioserve.kernels.w16 import W16_TYPES, W16Parts, parts_from_w16
+from trioserve.kernels.w16 import W16_TYPES, W16Rows, check_finite16
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
@@ -114,7 +114,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     int6: dict[str, Callable[[], Int6Rows]] = {}
     int8: dict[str, Callable[[], Q8Rows]] = {}
-    w16: dict[str, Callable[[], W16Parts]] = {}
+    w16: dict[str, Callable[[], W16Rows]] = {}
     for done, (name, t) in enumerate(tensors.items(), start=1):
         heads = _permuted_heads(config, name)
         if t.tensor_type.name in INT4_TYPES and name.startswith("model.layers.") and len(t.shape) == 2:
@@ -137,7 +137,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         ):
             # The file's 16-bit floats as they are, for the 16-bit weight kernel; float32 or bf16 when asked for.
             w16[name] = functools.partial(_parts16, path, t, heads, reader)
-            w16[name]()  # checked once (finite), here
+            _check_finite16(path, t, reader)  # checked once, here
             made[name] = functools.partial(_dense, path, t, heads, dtype, reader)
             if name == "model.embed_tokens.weight":  # looked up a few rows a step, from the file
                 rows[name] = functools.partial(_rows, t, dtype)
@@ -207,14 +207,23 @@ def _parts6(t: GGUFTensor, heads: int, reader: GGUFFile) -> Int6Rows:
     return rows.take_rows(unpermute_rows(np.arange(rows.shape[0]), heads)) if heads else rows
 
 
-def _parts16(path: Path, t: GGUFTensor, heads: int, reader: GGUFFile) -> W16Parts:
-    """Tensor ``t``'s 16-bit floats (F16 or BF16), rows unpermuted for ``heads`` heads."""
+def _parts16(path: Path, t: GGUFTensor, heads: int, reader: GGUFFile) -> W16Rows:
+    """Tensor ``t``'s 16-bit floats (F16 or BF16), still in the file (as
+    `_parts`), rows unpermuted for ``heads`` heads."""
+    raw = np.asarray(t.data)
+    rows = W16Rows.of(raw.view(np.uint8).reshape(raw.shape[0], -1), t.tensor_type.name, functools.partial(_drop_pages, reader, t))
+    return rows.take_rows(unpermute_rows(np.arange(rows.shape[0]), heads)) if heads else rows
+
+
+def _check_finite16(path: Path, t: GGUFTensor, reader: GGUFFile) -> None:
+    """CheckpointError unless F16/BF16 tensor ``t`` is finite (read a slice
+    at a time; its pages let go after)."""
     try:
-        parts = parts_from_w16(t.data, t.tensor_type.name)
+        check_finite16(t.data, t.tensor_type.name)
     except ValueError as e:
         raise CheckpointError(path, f"corrupt tensor {t.name!r}: {e}") from None
-    _drop_pages(reader, t)
-    return parts.take_rows(unpermute_rows(np.arange(parts.bits.shape[0]), heads)) if heads else parts
+    finally:
+        _drop_pages(reader, t)
 
 
 def _parts8(t: GGUFTensor, heads: int, reader: GGUFFile) -> Q8Rows:

@@ -3049,3 +3049,24 @@ void trioserve_pack_int8_q8_rows(const uint8_t *const *rows, int64_t n, int64_t 
                                  int threads) {
     pack_rows(rows, n, k, 0, 0, group, int8_row, codes, scales, threads);
 }
+
+/* An F16/BF16 weight's rows (the file's 2-byte values; rows[i] output row
+   i's) into `trioserve_w16_matmul`'s tiles of 16 outputs, each [K][16],
+   rows past n zero (kernels/w16.py `pack_w16`), a run of inputs at a time
+   so that the 16 rows are read in order. */
+void trioserve_pack_w16_rows(const uint16_t *const *rows, int64_t n, int64_t k, uint16_t *out, int threads) {
+    const int64_t tiles = (n + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t i0 = 0; i0 < k; i0 += 64) {
+            const int64_t i1 = i0 + 64 < k ? i0 + 64 : k;
+            for (int c = 0; c < 16; c++) {
+                const int64_t r = t * 16 + c;
+                uint16_t *dst = out + t * k * 16 + c;
+                if (r < n)
+                    for (int64_t i = i0; i < i1; i++) dst[i * 16] = rows[r][i];
+                else
+                    for (int64_t i = i0; i < i1; i++) dst[i * 16] = 0;
+            }
+        }
+}
