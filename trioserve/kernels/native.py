@@ -212,7 +212,7 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     fn = lib.trioserve_int6_rows_symmetric
     fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int]
+    fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -667,7 +667,7 @@ def pack_int6_q8_rows(rows: Int6Rows, symmetric: bool | None = None):
     kind = CODES6_KINDS[rows.qtype][0]
     n, k = rows.shape
     addresses = rows.row_addresses()  # held while the library reads it
-    exact = n % 16 == 0 and k % 32 == 0 and bool(lib.trioserve_int6_rows_symmetric(addresses.ctypes.data, n, k, kind))
+    exact = n % 16 == 0 and k % 32 == 0 and bool(lib.trioserve_int6_rows_symmetric(addresses.ctypes.data, n, k, kind, torch.get_num_threads()))
     if symmetric and not exact:
         raise ValueError("a symmetric 6-bit pack needs m = -32 d in every group")
     symmetric = exact if symmetric is None else symmetric

@@ -2985,9 +2985,9 @@ static inline void i6_block(const uint8_t *row, int kind, int64_t b, uint8_t *u,
 
 /* Whether every group's m is -32 d once both are rounded to f16 (Q6_K's
    always are): then the layout keeps d alone (`symmetric`). 1 or 0. */
-int trioserve_int6_rows_symmetric(const uint8_t *const *rows, int64_t n, int64_t k, int kind) {
+int trioserve_int6_rows_symmetric(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int threads) {
     int symmetric = 1;
-#pragma omp parallel for reduction(&& : symmetric) schedule(static)
+#pragma omp parallel for num_threads(threads) reduction(&& : symmetric) schedule(static)
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0; b < k / 32; b++) {
             uint8_t u[32];
