@@ -186,6 +186,12 @@ class Server:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=STOP_GRACE_S)
+        # ... and gone before the next server starts: a big server's engine
+        # child tearing down its memory would otherwise share the cores with
+        # the next one's measured load.
+        deadline = time.monotonic() + STOP_GRACE_S
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def peak_rss_mb(self) -> float | None:
         """The server's peak resident memory so far, in MB: the sum of VmHWM
@@ -197,15 +203,7 @@ class Server:
         except (OSError, AttributeError):
             return None
         total = None
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if os.getpgid(int(entry.name)) != pgid:
-                    continue
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
+        for status in _group_members(pgid).values():
             line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
             if line is not None:
                 total = (total or 0) + int(line.split()[1])
@@ -217,6 +215,25 @@ class Server:
         except OSError:
             return "(no log)"
         return "\n".join("    " + line for line in lines[-LOG_TAIL_LINES:]) or "    (empty log)"
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+    """The live processes of process group ``pgid`` (zombies, which hold
+    neither memory nor a core, left out): pid -> its /proc status text."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        state = next((line.split()[1] for line in status.splitlines() if line.startswith("State:")), "")
+        if state not in ("Z", "X"):
+            members[int(entry.name)] = status
+    return members
 
 
 async def wait_ready(client: httpx.AsyncClient, server: Server, limit: float) -> None:

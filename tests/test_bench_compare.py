@@ -161,3 +161,26 @@ def test_peak_memory_counts_a_servers_child_processes(compare, tmp_path):
     finally:
         server.stop()
     assert server.proc.poll() is not None
+
+
+def test_stopping_a_server_waits_until_its_whole_group_is_gone(compare, tmp_path):
+    """A server whose engine child ignores SIGTERM and outlives its parent
+    (the parent exits at once on SIGTERM) is gone, child included, when
+    `stop` returns: the next server's load does not share the cores with it."""
+    child = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(60)"
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE); "
+              f"p.stdout.readline(); open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(60)")
+    flag = tmp_path / "child"
+    server = compare.Server("peer", [sys.executable, "-c", parent, str(flag)], 0, tmp_path / "log")
+    server.start()
+    try:
+        for _ in range(600):  # up to 30 s for two Python starts
+            if flag.exists() and flag.read_text() or server.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        child_pid = int(flag.read_text())
+        assert compare._group_members(server.proc.pid).keys() >= {server.proc.pid, child_pid}
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
+    assert compare._group_members(server.proc.pid) == {}
