@@ -217,6 +217,41 @@ class Server:
         return "\n".join("    " + line for line in lines[-LOG_TAIL_LINES:]) or "    (empty log)"
 
 
+QUIET_IDLE = 0.9  # the share of the cores idle that counts as a quiet machine
+QUIET_LIMIT_S = 30.0  # the most `wait_quiet` waits
+
+
+def cpu_idle(seconds: float = 0.5) -> float:
+    """The share of all cores' time idle over ``seconds`` (/proc/stat); 1.0
+    where /proc/stat cannot be read."""
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except (OSError, ValueError, IndexError):
+            return None
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # all, idle + iowait
+
+    a = sample()
+    time.sleep(seconds)
+    b = sample()
+    if a is None or b is None or b[0] <= a[0]:
+        return 1.0
+    return (b[1] - a[1]) / (b[0] - a[0])
+
+
+def wait_quiet(limit: float) -> float:
+    """Wait (up to ``limit`` s) until the cores are at least QUIET_IDLE idle,
+    so that a server starts on a quiet machine (what the last one left
+    behind, such as the kernel reclaiming its memory, done); the last idle
+    share seen."""
+    deadline = time.monotonic() + limit
+    idle = cpu_idle()
+    while idle < QUIET_IDLE and time.monotonic() < deadline:
+        idle = cpu_idle()
+    return idle
+
+
 def _group_members(pgid: int) -> dict[int, str]:
     """The live processes of process group ``pgid`` (zombies, which hold
     neither memory nor a core, left out): pid -> its /proc status text."""
@@ -369,6 +404,9 @@ def run(args) -> int:
             port = free_port()
             argv = expand(commands[name], port=port, model=model, threads=args.threads, extra=extras[name])
             server = Server(name, argv, port, args.log_dir / f"{name}-c{c}.log")
+            idle = wait_quiet(QUIET_LIMIT_S)
+            if idle < QUIET_IDLE:
+                print(f"[{name} c={c}] note: the machine was still busy before this server started ({idle:.0%} idle after {QUIET_LIMIT_S:.0f} s)", flush=True)
             t0 = time.perf_counter()
             try:
                 server.start()

@@ -184,3 +184,23 @@ def test_stopping_a_server_waits_until_its_whole_group_is_gone(compare, tmp_path
         server.stop()
     assert server.proc.poll() is not None
     assert compare._group_members(server.proc.pid) == {}
+
+
+def test_a_server_starts_only_once_the_machine_is_quiet(compare):
+    """`wait_quiet` waits while other processes keep the cores busy (here a
+    busy loop a core, each stopping after a while) and returns once they
+    are idle; with no one busy it returns at once."""
+    if compare.wait_quiet(5.0) < compare.QUIET_IDLE:
+        pytest.skip("this machine is not quiet enough to tell a busy one from it")
+    loop = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        assert compare.cpu_idle() < compare.QUIET_IDLE
+        started = time.monotonic()
+        idle = compare.wait_quiet(30.0)
+        assert idle >= compare.QUIET_IDLE and time.monotonic() - started >= 1.0
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
