@@ -197,6 +197,10 @@ def test_4_bit_rows_are_laid_out_from_the_blocks_as_from_their_codes(qtype, tile
 
 
 def test_4_bit_rows_say_what_they_cannot_hold():
+    with pytest.raises(ValueError, match=r"each source must be \[rows, row bytes\] uint8, each row's bytes in one run"):
+        Int4Rows.of(np.zeros((16, 36), np.uint8)[:, ::2], "Q4_0")
+    with pytest.raises(ValueError, match="each source must be"):
+        Int4Rows.of(np.zeros((16, 9), np.uint16), "Q4_0")
     with pytest.raises(ValueError, match="Int4Rows holds Q4_0, Q4_1, Q4_K blocks, not Q8_0"):
         Int4Rows.of(np.zeros((16, 34), np.uint8), "Q8_0")
     with pytest.raises(ValueError, match=r"Int4Rows.concat: parts of different widths \[32, 64\]"):

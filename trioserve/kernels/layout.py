@@ -46,6 +46,8 @@ class BlockRows:
     def __init__(self, sources: tuple[np.ndarray, ...], qtype: str, order: np.ndarray, release: tuple[Callable[[], None], ...] = ()):
         if qtype not in self.TYPES:
             raise ValueError(f"{type(self).__name__} holds {', '.join(self.TYPES)} blocks, not {qtype}")
+        if any(s.ndim != 2 or s.dtype != np.uint8 or s.strides[1] != 1 for s in sources):
+            raise ValueError(f"{type(self).__name__}: each source must be [rows, row bytes] uint8, each row's bytes in one run (the C packers read them so)")
         self.sources = sources
         self.qtype = qtype
         self.order = np.ascontiguousarray(order, dtype=np.int64).reshape(-1, 2)
