@@ -157,3 +157,38 @@ def test_single_byte_corruptions_of_the_header_fail_cleanly(tmp_path, tiny_check
             assert exc.path == str(path) and "\n" not in str(exc)
             outcomes["refused"] += 1
     assert outcomes["refused"] > 0
+
+
+def _string_items(*items: bytes) -> bytes:
+    return b"".join(struct.pack("<Q", len(item)) + item for item in items)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (_string_items(b"a", b"\xc3\xa9t\xc3\xa9", b"")[:-3] + b"", None),  # cut inside the lengths: named below
+        (_string_items(b"ab", b"c\xffd"), "corrupt metadata: the value of 'k' is not UTF-8 text"),
+        (_string_items(b"ab") + struct.pack("<Q", 1 << 40) + b"x" * 8, "an item of 'k' needs 1099511627776 bytes at offset 18"),
+    ],
+    ids=["truncated", "not_utf8", "huge_length"],
+)
+def test_a_bad_string_array_item_is_named_as_one_at_a_time_names_it(data, message, tmp_path):
+    # The string arrays (a vocabulary, its merges) are read in one tight
+    # loop; a bad item is read again one at a time so that the message
+    # names it as before: its offset and size, or that it is not UTF-8.
+    from trioserve.models.gguf_header import _Cursor, _strings
+
+    cur = _Cursor(memoryview(data), tmp_path / "m.gguf")
+    with pytest.raises(CheckpointError) as info:
+        _strings(cur, 3 if message is None else 2, "k")
+    assert (message or "an item of 'k' needs") in info.value.problem
+
+
+def test_a_string_array_reads_every_item_and_moves_past_it(tmp_path):
+    from trioserve.models.gguf_header import _Cursor, _strings
+
+    items = [b"", b"a", "é\u2581x".encode(), b"z" * 300]
+    data = _string_items(*items) + b"rest"
+    cur = _Cursor(memoryview(data), tmp_path / "m.gguf")
+    assert _strings(cur, len(items), "k") == [i.decode() for i in items]
+    assert bytes(cur.data[cur.at :]) == b"rest"

@@ -258,3 +258,20 @@ def test_gguf_user_defined_tokens_are_text_pieces_matched_whole(tiny):
         assert tok.encode("a<tool_call>b", special=special) == [*tok.encode("a"), call, *tok.encode("b")]
     assert not tok.is_special(call) and tok.decode([call]) == "<tool_call>"
     assert tok.special_tokens == tuple(SPECIAL_TOKENS)
+
+
+def test_every_smollm2_piece_has_the_bytes_gpt2s_table_gives_it(smollm2):
+    # The pieces' bytes are made by str.translate where a piece is all
+    # table characters: they must equal the table applied a character at
+    # a time (a character outside it as its own UTF-8), for every token of
+    # the real vocabulary and for pieces the fast path must not take.
+    from trioserve.models.tokenizer import _UNICODE_TO_BYTE, _piece_bytes
+
+    def slow(piece: str) -> bytes:
+        return b"".join(bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in piece)
+
+    pieces = smollm2_metadata()["tokenizer.ggml.tokens"]
+    assert all(_piece_bytes(p) == slow(p) for p in pieces)
+    for odd in ("\u00e9\u0120x", "a\u2581b", "\x07", "", "\u0100\u0101"):
+        assert _piece_bytes(odd) == slow(odd), odd
+    assert _piece_bytes("\u0120hello") == b" hello" and _piece_bytes("\u00e9") == b"\xe9"  # GPT-2 maps byte 0xE9 to "é"

@@ -193,6 +193,29 @@ def _tensor(path: Path, data: np.memmap, start: int, name: str, shape: tuple[int
     return GGUFTensor(name, tensor_type, shape, n_bytes, at, view)
 
 
+_LENGTH = struct.Struct("<Q")
+
+
+def _strings(cur: _Cursor, count: int, key: str) -> list[str]:
+    """``count`` strings (a vocabulary's 49,152 tokens, its merges) in one
+    tight loop; where one runs past the file or is not UTF-8, read again
+    one by one from the same place, for `_Cursor`'s message naming it."""
+    data, at, end = cur.data, cur.at, len(cur.data)
+    unpack = _LENGTH.unpack_from
+    out = []
+    try:
+        for _ in range(count):
+            (length,) = unpack(data, at)
+            start, at = at + 8, at + 8 + length
+            if at > end:
+                raise ValueError
+            out.append(str(data[start:at], "utf-8"))
+    except (ValueError, struct.error):  # UnicodeDecodeError is a ValueError
+        return [cur.text(f"an item of {key!r}", key) for _ in range(count)]
+    cur.at = at
+    return out
+
+
 def _value(cur: _Cursor, kind: int, key: str) -> Any:
     if kind in _FORMAT:
         return cur.take("<" + _FORMAT[kind], f"the value of {key!r}")
@@ -210,6 +233,6 @@ def _value(cur: _Cursor, kind: int, key: str) -> Any:
         if item == _STRING:
             # Every string item has at least its 8-byte length.
             cur.need(count * 8, f"the {count} items of {key!r}")
-            return [cur.text(f"an item of {key!r}", key) for _ in range(count)]
+            return _strings(cur, count, key)
         raise CheckpointError(cur.path, f"corrupt GGUF file: {key!r} is an array of unknown type {item}")
     raise CheckpointError(cur.path, f"corrupt GGUF file: {key!r} has unknown value type {kind}")

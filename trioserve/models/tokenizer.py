@@ -64,6 +64,19 @@ def byte_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
+# The same table for str.translate, each byte as the one Latin-1 character
+# that encodes to it: a piece made only of the table's characters is its
+# bytes in two C calls (`_piece_bytes`), not one Python step a character.
+_BYTE_LEVEL_CHARS = frozenset(_UNICODE_TO_BYTE)
+_TO_LATIN1 = {ord(c): chr(b) for c, b in _UNICODE_TO_BYTE.items()}
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """A byte-level BPE piece's bytes: each character through GPT-2's table,
+    a character outside it as its own UTF-8."""
+    if _BYTE_LEVEL_CHARS.issuperset(piece):
+        return piece.translate(_TO_LATIN1).encode("latin-1")
+    return b"".join(bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in piece)
 
 
 def _byte_level_pre(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -144,9 +157,7 @@ class Tokenizer:
         if piece is None:
             return b""
         if self.byte_level:
-            return b"".join(
-                bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in piece
-            )
+            return _piece_bytes(piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             try:
                 return bytes([int(piece[3:5], 16)])
