@@ -230,7 +230,8 @@ def cpu_idle(seconds: float = 0.5) -> float:
             fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         except (OSError, ValueError, IndexError):
             return None
-        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # all, idle + iowait
+        # all (user .. steal; guest time is already in user and nice), idle + iowait
+        return sum(fields[:8]), fields[3] + (fields[4] if len(fields) > 4 else 0)
 
     a = sample()
     time.sleep(seconds)
@@ -401,12 +402,12 @@ def run(args) -> int:
         entry: dict = {}
         levels[str(c)] = entry
         for name in names:
+            idle = wait_quiet(QUIET_LIMIT_S)  # before the port is picked, so that it is free when the server binds it
+            if idle < QUIET_IDLE:
+                print(f"[{name} c={c}] note: the machine was still busy before this server started ({idle:.0%} idle after {QUIET_LIMIT_S:.0f} s)", flush=True)
             port = free_port()
             argv = expand(commands[name], port=port, model=model, threads=args.threads, extra=extras[name])
             server = Server(name, argv, port, args.log_dir / f"{name}-c{c}.log")
-            idle = wait_quiet(QUIET_LIMIT_S)
-            if idle < QUIET_IDLE:
-                print(f"[{name} c={c}] note: the machine was still busy before this server started ({idle:.0%} idle after {QUIET_LIMIT_S:.0f} s)", flush=True)
             t0 = time.perf_counter()
             try:
                 server.start()

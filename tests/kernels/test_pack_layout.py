@@ -357,3 +357,18 @@ def test_16_bit_values_are_checked_finite_a_slice_at_a_time(monkeypatch):
         w16_module.check_finite16(bits, "F16")
     with pytest.raises(ValueError, match="cannot stack F16 and BF16 rows into one weight"):
         concat_rows16([W16Rows.of(np.zeros((2, 64), np.uint8), "F16"), W16Rows.of(np.zeros((2, 64), np.uint8), "BF16")])
+
+
+def test_rows_of_different_types_are_unpacked_and_their_pages_let_go():
+    # A fused weight whose parts differ in type (a Q5_K_M file's Q5_K q and
+    # k beside a Q6_K v) cannot be packed from the blocks in one pass: it is
+    # unpacked, and each part's file pages are let go right then.
+    rng = np.random.default_rng(11)
+    released = []
+    a = Int6Rows.of(_q6_tensor("Q5_K", 16, 256, rng), "Q5_K", lambda: released.append("q5_k"))
+    b = Int6Rows.of(_q6_tensor("Q6_K", 16, 256, rng), "Q6_K", lambda: released.append("q6_k"))
+    with np.errstate(all="ignore"):
+        both = concat_rows6([a, b])
+        assert isinstance(both, Int6Parts) and both.shape == (32, 256)
+        assert torch.equal(both.u[:16], a.parts().u) and torch.equal(both.u[16:], b.parts().u)
+    assert released == ["q5_k", "q6_k"]

@@ -123,7 +123,14 @@ class BlockRows:
         widths = sorted({p.shape[1] for p in parts})
         if len(widths) != 1:
             raise ValueError(f"{cls.__name__}.concat: parts of different widths {widths}")
-        return cls.joined(parts) or cls._cat([p.parts() if isinstance(p, cls) else p for p in parts])
+        joined = cls.joined(parts)
+        if joined is not None:
+            return joined
+        unpacked = [p.parts() if isinstance(p, cls) else p for p in parts]
+        for p in parts:  # unpacked now (parts of different types: a Q5_K_M file's Q5_K and Q6_K rows): the file's pages can go
+            if isinstance(p, BlockRows):
+                p.release()
+        return cls._cat(unpacked)
 
     def release(self) -> None:
         """Let the file's pages behind the sources go (read again if touched)."""

@@ -2863,7 +2863,9 @@ void trioserve_q4_k_scales(const uint8_t *raw, int64_t supers, float *scale, flo
 #include <immintrin.h>
 #endif
 /* `float_to_f16_bits` of a finite float: F16C's conversion where the
-   CPU has it (round to nearest even, as IEEE and numpy round). */
+   CPU has it (round to nearest even, as IEEE and numpy round). Infinities
+   and quiet NaN come out as numpy's too; a signalling NaN is quieted,
+   which the loader never meets (it refuses NaN scales, `_check_finite`). */
 static inline uint16_t f16_of_finite(float f) {
 #if defined(__F16C__)
     return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
