@@ -164,6 +164,25 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16) if a.dtype == torch.uint16 else a, b.view(torch.int16) if b.dtype == torch.uint16 else b)
 
 
+def _packed_three_ways(fused, pack, monkeypatch):
+    """``pack`` of the weight ``fused()`` makes: from the blocks (the C
+    packer), from its unpacked parts, and with the library off (numpy
+    unpacking and packing); asserts the three give the same bytes and
+    scale bits, and returns the first and the weight."""
+    rows = fused()
+    with np.errstate(all="ignore"):
+        direct, unpacked = pack(rows), pack(rows.parts())
+        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
+        assert native.library() is None
+        fallback = pack(fused())
+        monkeypatch.delenv(NATIVE_KERNELS_ENV)
+    for other in (unpacked, fallback):
+        assert torch.equal(direct.packed, other.packed)
+        assert not hasattr(direct, "scales") or _same_bits(direct.scales, other.scales)
+        assert getattr(direct, "symmetric", None) == getattr(other, "symmetric", None)
+    return direct, rows
+
+
 @needs_library
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("tiles", [1, 2, 3, 4, 7])
@@ -179,18 +198,11 @@ def test_4_bit_rows_are_laid_out_from_the_blocks_as_from_their_codes(qtype, tile
     first, second = _q4_tensor(qtype, 16 * tiles - 8, k, rng), _q4_tensor(qtype, 8, k, rng)
     order = rng.permutation(first.shape[0])
     fused = lambda: concat_rows([Int4Rows.of(first, qtype).take_rows(order), Int4Rows.of(second, qtype)])  # noqa: E731
-    rows = fused()
-    assert rows.shape == (16 * tiles, k)
-    with np.errstate(all="ignore"):
-        direct = native.pack_int4_q8_rows(rows)
-        unpacked = native.pack_int4_q8(rows.parts())
-        alone = parts_from_gguf(first, qtype), parts_from_gguf(second, qtype)
-        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
-        assert native.library() is None
-        fallback = native.pack_int4_q8_rows(fused())  # unpacked by numpy, then packed by numpy
-    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
-    assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
+    pack = lambda w: native.pack_int4_q8_rows(w) if isinstance(w, Int4Rows) else native.pack_int4_q8(w)  # noqa: E731
+    direct, rows = _packed_three_ways(fused, pack, monkeypatch)
     assert (direct.n, direct.k, direct.q8) == (16 * tiles, k, True)
+    with np.errstate(all="ignore"):
+        alone = parts_from_gguf(first, qtype), parts_from_gguf(second, qtype)
     # The parts themselves are the reordered rows of each tensor's own parts.
     assert torch.equal(rows.q[: len(order)], alone[0].q[torch.from_numpy(order)])
     assert torch.equal(rows.q[len(order) :], alone[1].q)
@@ -257,18 +269,9 @@ def test_6_bit_rows_are_laid_out_from_the_blocks_as_from_their_codes(qtype, tile
     first, second = _q6_tensor(qtype, 16 * tiles - 8, k, rng), _q6_tensor(qtype, 8, k, rng)
     order = rng.permutation(first.shape[0])
     fused = lambda: concat_rows6([Int6Rows.of(first, qtype).take_rows(order), Int6Rows.of(second, qtype)])  # noqa: E731
-    rows = fused()
+    _, rows = _packed_three_ways(fused, pack_int6_q8, monkeypatch)
     with np.errstate(all="ignore"):
-        direct = pack_int6_q8(rows)
-        unpacked = pack_int6_q8(rows.parts())
-        alone = parts_from_gguf6(first, qtype)
-        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
-        assert native.library() is None
-        fallback = pack_int6_q8(fused())
-    assert direct.symmetric == unpacked.symmetric == fallback.symmetric
-    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
-    assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
-    assert torch.equal(rows.u[: len(order)], alone.u[torch.from_numpy(order)])
+        assert torch.equal(rows.u[: len(order)], parts_from_gguf6(first, qtype).u[torch.from_numpy(order)])
 
 
 @needs_library
@@ -303,15 +306,7 @@ def test_q8_0_rows_are_laid_out_from_the_blocks_as_from_their_codes(tiles, monke
         tensors.append(raw.reshape(rows_, -1))
     order = rng.permutation(tensors[0].shape[0])
     fused = lambda: concat_rows8([Q8Rows.of(tensors[0], "Q8_0").take_rows(order), Q8Rows.of(tensors[1], "Q8_0")])  # noqa: E731
-    rows = fused()
-    with np.errstate(all="ignore"):
-        direct = pack_int8_q8(rows)
-        unpacked = pack_int8_q8(rows.parts())
-        monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
-        assert native.library() is None
-        fallback = pack_int8_q8(fused())
-    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
-    assert _same_bits(direct.scales, unpacked.scales) and _same_bits(direct.scales, fallback.scales)
+    direct, rows = _packed_three_ways(fused, pack_int8_q8, monkeypatch)
     assert (direct.n, direct.k) == (16 * tiles, k)
     assert torch.equal(rows.c[: len(order)], parts_from_q8_0(tensors[0]).c[torch.from_numpy(order)])
 
@@ -334,13 +329,7 @@ def test_16_bit_rows_are_laid_out_from_the_file_as_from_their_bits(qtype, rows_,
     first, second = finite(rows_), finite(3)
     order = rng.permutation(rows_)
     fused = lambda: concat_rows16([W16Rows.of(first, qtype).take_rows(order), W16Rows.of(second, qtype)])  # noqa: E731
-    rows = fused()
-    direct = pack_w16(rows)
-    unpacked = pack_w16(rows.parts())
-    monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
-    assert native.library() is None
-    fallback = pack_w16(fused())
-    assert torch.equal(direct.packed, unpacked.packed) and torch.equal(direct.packed, fallback.packed)
+    direct, rows = _packed_three_ways(fused, pack_w16, monkeypatch)
     assert (direct.n, direct.k, direct.bf16) == (rows_ + 3, k, qtype == "BF16")
     assert torch.equal(rows.bits[:rows_], torch.from_numpy(first.view(np.int16))[torch.from_numpy(order)])
 
