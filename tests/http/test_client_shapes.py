@@ -133,3 +133,19 @@ async def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(server):
     assert streamed["prompt_tokens_details"]["cached_tokens"] == cached
     assert text_first["prompt_tokens_details"]["cached_tokens"] == 0
     assert 0 < text_again["prompt_tokens_details"]["cached_tokens"] < text_again["prompt_tokens"]
+
+
+async def test_a_streamed_line_separator_reaches_a_line_reading_client_whole(server):
+    """Text with U+2028, U+2029 or U+0085 in it (a model can generate them;
+    here the echoed prompt carries them) is streamed as JSON escapes, so a
+    client that reads the stream with httpx's `aiter_lines` (which splits
+    where str.splitlines does) still gets each event's one `data:` line,
+    and the text comes back the same once parsed."""
+    prompt = "one\u2028two\u2029three\x85four"
+    with trio.fail_after(40):
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "echo": True, "temperature": 0}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                sse = await read_sse(response)
+    text = "".join(c["text"] for payload in sse.payloads[:-1] for c in payload["choices"])
+    assert text.startswith(prompt), text

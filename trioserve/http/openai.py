@@ -27,8 +27,16 @@ def now() -> int:
     return int(time.time())
 
 
+# Characters that JSON leaves raw (ensure_ascii=False) but that line readers
+# built on str.splitlines take for line ends: httpx's `aiter_lines`, for one,
+# cuts an event's `data:` line at a generated U+0085, U+2028 or U+2029. SSE
+# ends lines only at CR and LF, so the event is valid either way; written as
+# JSON escapes (the same text once parsed) it reaches such clients whole.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKERS)
     return f"data: {data}\n\n".encode()
 
 
