@@ -361,3 +361,10 @@ def test_rows_of_different_types_are_unpacked_and_their_pages_let_go():
         assert isinstance(both, Int6Parts) and both.shape == (32, 256)
         assert torch.equal(both.u[:16], a.parts().u) and torch.equal(both.u[16:], b.parts().u)
     assert released == ["q5_k", "q6_k"]
+
+
+def test_a_kind_of_block_rows_must_say_how_it_unpacks():
+    from trioserve.kernels.layout import BlockRows
+
+    with pytest.raises(TypeError, match="Half must set _unpack, _cat"):
+        type("Half", (BlockRows,), {"TYPES": {"Q4_0": (18, 32)}})

@@ -42,6 +42,16 @@ class BlockRows:
     file's pages go once the weight is packed."""
 
     TYPES: dict[str, tuple[int, int]] = {}
+    # Each subclass sets both (staticmethods): one source's rows unpacked
+    # into its parts type, and unpacked parts one after the other.
+    _unpack: Callable[[np.ndarray, str], Any]
+    _cat: Callable[[list], Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in ("TYPES", "_unpack", "_cat") if name not in cls.__dict__]
+        if missing:
+            raise TypeError(f"{cls.__name__} must set {', '.join(missing)}")
 
     def __init__(self, sources: tuple[np.ndarray, ...], qtype: str, order: np.ndarray, release: tuple[Callable[[], None], ...] = ()):
         if qtype not in self.TYPES:
@@ -91,16 +101,6 @@ class BlockRows:
         base = np.array([s.ctypes.data for s in self.sources], dtype=np.uint64)
         stride = np.array([s.strides[0] for s in self.sources], dtype=np.uint64)
         return base[self.order[:, 0]] + stride[self.order[:, 0]] * self.order[:, 1].astype(np.uint64)
-
-    @staticmethod
-    def _unpack(raw: np.ndarray, qtype: str) -> Any:
-        """One source's rows unpacked (the subclass's parts type)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _cat(parts: list) -> Any:
-        """Unpacked parts one after the other."""
-        raise NotImplementedError
 
     def parts(self) -> Any:
         """The weight unpacked (each source once, joined and put in
