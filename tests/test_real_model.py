@@ -105,7 +105,7 @@ def test_batched_decode_matches_solo_and_frees_every_block(smollm2):
     assert "Paris" in text
 
 
-@pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI")
+@pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX2, AVX-512 VNNI or NEON dotprod, and a C compiler")
 def test_int8_activations_still_name_paris_and_keep_batch_invariance(checkpoint):
     """`--activations int8` on the real model: the greedy answer still names
     Paris, and two conversations decoded together give what each gives

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ACTIVATION_CHOICES,
         default=None,
         help="how the 4-bit projections take their inputs: int8 (rounded per block of 32, integer dot products: "
-        "llama.cpp's arithmetic, faster at many streams; needs AVX-512 VNNI), bf16 (exact products, closer to the "
+        "llama.cpp's arithmetic, faster at many streams; needs AVX-512 VNNI, AVX2 or NEON dotprod), bf16 (exact products, closer to the "
         "model's own answers), or auto: int8 where it runs, else bf16 (default: $TRIOSERVE_ACTIVATIONS, else auto)",
     )
     srv.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together (default 32)")

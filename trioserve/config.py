@@ -79,7 +79,7 @@ class EngineConfig:
     "bf16" (exact products) or "int8" (rounded to 8 bits per block of 32
     and multiplied in integers, llama.cpp's arithmetic for these blocks:
     ~1.7x faster projections at 32 rows, greedy replies further from the
-    exact model's; needs AVX-512 VNNI; docs/kernels.md)."""
+    exact model's; needs AVX-512 VNNI, AVX2 or NEON dotprod; docs/kernels.md)."""
 
     model: str = "smollm2"
     dtype: str = "auto"

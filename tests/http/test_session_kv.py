@@ -48,7 +48,7 @@ def word_bias(tiny_gguf) -> dict[str, float]:
     ("invariant", "activations", "kind"),
     [
         (True, "bf16", "gguf_f32"),
-        pytest.param(True, "int8", "gguf_q4_1", marks=pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need AVX-512 VNNI")),
+        pytest.param(True, "int8", "gguf_q4_1", marks=pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need the C kernel (AVX2, AVX-512 VNNI or NEON dotprod, and a C compiler)")),
         (False, "auto", "gguf_f32"),
     ],
     ids=["batch-invariant-bf16", "batch-invariant-int8", "batch-dependent"],

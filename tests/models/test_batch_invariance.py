@@ -392,7 +392,7 @@ def test_control_the_harnesses_see_a_changed_kv(tiny_checkpoints, batch_invarian
     assert decoded_vs_prefilled(model, prompt, 50, 7, seed=0, fixed=fixed) == (False, False, False)
 
 
-@pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need the C kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="int8 activations need the C kernel (AVX2, AVX-512 VNNI or NEON dotprod, and a C compiler)")
 def test_with_int8_activations_a_generated_token_has_the_kv_a_prefilled_one_has(tiny_checkpoints):
     """With int8 activations every row of a 4-bit projection goes through
     the one 8-bit kernel, prompt or generated: the same text decoded or
