@@ -37,13 +37,16 @@ def _free_port() -> int:
 class Server:
     """`python -m trioserve serve` on 127.0.0.1, stopped by `close`."""
 
-    def __init__(self, model: Path, level: str, *extra: str):
+    def __init__(self, model: Path, level: str, *extra: str, cpus: set[int] | None = None):
+        """``cpus``: the only CPUs the server may run on (its affinity mask,
+        as taskset or a container's cpuset would set it)."""
         self.port = _free_port()
         env = {**os.environ, CPU_FEATURES_ENV: level}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trioserve", "serve", "--model", str(model), "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", *extra],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )  # fmt: skip
         self.lines: list[str] = []
         deadline = time.monotonic() + START_S
@@ -81,6 +84,10 @@ class Server:
         self.proc.stderr.close()
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread{'' if n == 1 else 's'}"
+
+
 def _greedy(url: str) -> list[str]:
     body = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
@@ -100,7 +107,7 @@ def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_ch
     try:
         # dtype auto at a narrower level is what that CPU would get: float32 (no native bf16).
         assert narrow.compute_line() == (
-            f"trioserve: computing on cpu, float32, native kernels ({level}), int8 activations, {default_threads()} threads"
+            f"trioserve: computing on cpu, float32, native kernels ({level}), int8 activations, {_threads(default_threads())}"
         )
         want = {"device": "cpu", "dtype": "float32", "kv_dtype": "float32", "kernels": "native", "cpu_kernels": level, "activations": "int8",
                 "threads": default_threads(), "weights": {"layers": {"4-bit": 4 * TINY["num_hidden_layers"]}, "head": "4-bit"}}  # fmt: skip
@@ -133,3 +140,23 @@ def test_serve_shows_the_model_being_built_layer_by_layer(tiny_checkpoints):
         assert order == sorted(order)
     finally:
         server.close()
+
+
+def test_the_default_thread_count_is_the_cores_the_process_may_use(tiny_checkpoints):
+    """Not the machine's count: a server confined to one CPU (taskset, a
+    cgroup cpuset) computes on one thread, says so at start, and shows it in
+    the model card and /metrics."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("this OS has no affinity masks (os.sched_setaffinity)")
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip(f"this process may use only CPU {mine}: there is no narrower mask to try")
+    server = Server(tiny_checkpoints["gguf_q4_1"], "native", cpus={mine[-1]})
+    try:
+        assert server.compute_line().endswith(", 1 thread"), server.compute_line()
+        assert httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["compute"]["threads"] == 1
+        assert httpx.get(f"{server.url}/metrics", timeout=30).json()["compute"]["threads"] == 1
+        assert len(_greedy(server.url)) == 12  # and it serves on that one thread
+    finally:
+        server.close()
+    assert default_threads() == len(mine)  # this process's own mask is untouched

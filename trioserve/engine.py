@@ -377,7 +377,7 @@ def weight_card(model: LlamaModel) -> dict[str, object] | None:
 def describe_compute(card: dict[str, object]) -> str:
     """`compute_card` in one line of words."""
     isa = f" ({card['cpu_kernels']})" if card.get("cpu_kernels") else ""
-    threads = f", {card['threads']} threads" if card.get("threads") else ""
+    threads = f", {card['threads']} thread{'' if card.get('threads') == 1 else 's'}" if card.get("threads") else ""
     pool = f" ({card['kv_dtype']} KV pool)" if card.get("kv_dtype", card["dtype"]) != card["dtype"] else ""
     return f"{card['device']}, {card['dtype']}{pool}, {card['kernels']} kernels{isa}, {card['activations']} activations{threads}"
 
