@@ -133,11 +133,16 @@ def write_gguf(
 ) -> Path:
     """Write the model as llama.cpp would: GGUF names, permuted Q/K rows, 2-D
     matrices in ``qtype`` (norms stay F32), or in ``qtype_of(hf_name)`` where
-    given (a mixed-type file, as llama-quantize's _M types write); Q4_K
-    through tests/k_quants.py. ``shape``: TINY's keys, for weights of
+    given (a mixed-type file, as llama-quantize's _M types write); Q4_K,
+    Q5_K and Q6_K through tests/k_quants.py. ``shape``: TINY's keys, for weights of
     another shape (`tiny_weights(shape=...)`)."""
-    from tests.k_quants import quantize_q4_k
+    from tests.k_quants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
+    k_quants = {
+        gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
+        gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+        gguf.GGMLQuantizationType.Q6_K: quantize_q6_k,
+    }
     shape = shape or TINY
     writer = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
@@ -165,8 +170,8 @@ def write_gguf(
         elif name.endswith("k_proj.weight"):
             array = permute_rows(array, kv_heads)
         kind = qtype_of(name) if qtype_of is not None and array.ndim == 2 else qtype
-        if array.ndim == 2 and kind == gguf.GGMLQuantizationType.Q4_K:
-            writer.add_tensor(_gguf_tensor_name(name), quantize_q4_k(array), raw_dtype=kind)
+        if array.ndim == 2 and kind in k_quants:
+            writer.add_tensor(_gguf_tensor_name(name), k_quants[kind](array), raw_dtype=kind)
         elif array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_tensor_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:

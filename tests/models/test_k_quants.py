@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.k_quants import quantize_q4_k
+from tests.k_quants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
+from trioserve.kernels import native
 from trioserve.kernels.int4 import Projection, StackedProjection, parts_from_gguf
-from trioserve.kernels.int6 import Int6Pack, Int6Parts
+from trioserve.kernels.int6 import Int6Pack, Int6Parts, parts_from_gguf6
 from trioserve.kernels.int8w import Int8CodesPack, Int8Parts
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
@@ -41,6 +42,33 @@ def test_the_writer_and_the_loaders_codes_are_the_files():
     terms = (parts.q.float().view(8, 16, 32) * parts.scale[..., None].abs()).view(8, 512)
     terms = terms + (parts.zero - 8 * parts.scale).abs().repeat_interleave(32, dim=1)
     assert ((parts.dequantize() - torch.from_numpy(file)).abs() <= terms * 2**-10 + 1e-7).all()
+
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
+def test_the_q5_k_and_q6_k_writers_bytes_are_what_the_gguf_package_and_the_loader_read(qtype):
+    """The writers' bytes, read by the gguf package, give back the weights to
+    within half a step of their groups (a code, scale or bit in the wrong
+    place is off by many steps); the loader's 6-bit codes of the same bytes
+    decode to the package's values (the group scales rounded to f16)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((8, 512)) * 0.05 + rng.uniform(-0.02, 0.02, (8, 1))).astype(np.float32)
+    w[3, 300] = 0.6  # an outlier: its group's scale, and the super-block's d, much larger than the rest
+    raw = {"Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}[qtype](w)
+    assert raw.shape == (8, 2 * {"Q5_K": 176, "Q6_K": 210}[qtype])
+    file = gguf.quants.dequantize(raw, Q[qtype]).reshape(8, 512)
+    if qtype == "Q5_K":  # groups of 32, codes 0..31 from the group's minimum (or 0)
+        g = w.reshape(8, 2, 8, 32)
+        step = (g.max(-1) - np.minimum(g.min(-1), 0)) / 31
+    else:  # groups of 16, codes -32..31 times the group's scale
+        g = w.reshape(8, 2, 16, 16)
+        step = np.abs(g).max(-1) / 31
+    err = np.abs(file - w).reshape(g.shape)
+    assert (err <= step[..., None] * 0.5 * 1.2 + 1e-4).all(), (err / step[..., None]).max()  # half a step, plus the scales' rounding
+    parts = parts_from_gguf6(raw, qtype)
+    assert parts.u.shape == (8, 512) and int(parts.u.max()) == (31 if qtype == "Q5_K" else 63)  # the codes' whole range is used
+    terms = (parts.u.float().view(8, 32, 16) * parts.d[..., None].abs()).view(8, 512) + parts.m.abs().repeat_interleave(16, dim=1)
+    assert ((parts.dequantize() - torch.from_numpy(file)).abs() <= terms * 2**-10 + 1e-9).all()
 
 
 def _mixed(name: str) -> Q:
@@ -97,6 +125,8 @@ def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, k
     """With int8 activations (the C kernel where it runs, or its torch twin)
     the Q4_K, 5-bit and Q8_0 parts run on their codes, side by side; logits within the 8-bit rounding's reach of the float32 model of
     the dequantized weights, and the same greedy tokens."""
+    if kernels == "auto" and not native.int4_q8_supported(16, 32):  # the model would refuse int8 activations
+        pytest.skip("no int8-activation C kernel here (no C compiler, or no AVX2 / AVX-512 VNNI / NEON dotprod)")
     ckpt = load_checkpoint(mixed_gguf, dtype=torch.float32)
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
     exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
