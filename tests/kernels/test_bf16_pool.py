@@ -3,14 +3,18 @@ the C kernels store K and V rounded to bf16 as torch casts them, read them
 widened exactly (so attention over the bf16 pool is the same bits as over a
 float32 pool holding the same rounded values), refuse what they do not
 take, and the model with such a pool agrees with its torch path and with
-its float32-pool self within bf16 rounding of K and V."""
+its float32-pool self within bf16 rounding of K and V. The kernel tests
+run at every level of the C kernels this CPU executes (tests/kernels/levels.py)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
-from tests.kernels.test_native import _case, _prompt_case
+from tests.kernels.levels import at_levels, use_level
+from tests.kernels.test_native import PROMPTS, _case, _prompt_case
 from trioserve.kernels import native, reference
 from trioserve.models.step import SeqChunk, build_step
 
@@ -21,34 +25,59 @@ def _kernels_built() -> None:
         pytest.skip("no C kernels here: no working C compiler ($CC), or TRIOSERVE_NATIVE_KERNELS=0")
 
 
+@pytest.fixture
+def level(request, monkeypatch) -> str:
+    """The C kernels of the level `at_levels` gives, or a skip saying why this CPU cannot run it."""
+    use_level(request.param, monkeypatch)
+    return request.param
+
+
 def _bf16_pool(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bf16 pool, and the float32 pool holding its values."""
     k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
     return k16, v16, k16.float(), v16.float()
 
 
-@pytest.mark.parametrize("seqs", [1, 3, 33])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 32), (6, 1, 48, 16)])
-def test_decode_over_a_bf16_pool_is_the_float32_pool_of_its_values(seqs, heads, kv_heads, dim, block_size):
+@functools.lru_cache(maxsize=2)
+def _decode_twin(seqs, heads, kv_heads, dim, block_size):
+    """A decode case over a bf16 pool and the twin's answer, made once for
+    all levels (the twin does not depend on the level)."""
     gen = torch.Generator().manual_seed(seqs * 7 + heads + dim)
     q, k, v, chunks = _case(gen, seqs=seqs, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=torch.float32)
     k16, v16, k32, v32 = _bf16_pool(k, v)
     g = build_step(chunks, block_size).groups[0]
+    return q, (k16, v16, k32, v32), chunks, g, reference.paged_attention(q, k16, v16, g.block_tables, g.pad_index, g.mask, dim**-0.5)
+
+
+# (seqs, heads, kv_heads, dim, block_size): each layout at 1, 3, 7 and 33
+# sequences, and 129 at two of them (the twin is the slow part there).
+DECODE_CASES = [
+    *((seqs, *shape) for shape in ((4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 32), (6, 1, 48, 16)) for seqs in (1, 3, 7, 33)),
+    (129, 9, 3, 64, 16),
+    (129, 8, 2, 128, 32),
+]
+
+
+@at_levels()
+@pytest.mark.parametrize(("seqs", "heads", "kv_heads", "dim", "block_size"), DECODE_CASES)
+def test_decode_over_a_bf16_pool_is_the_float32_pool_of_its_values(level, seqs, heads, kv_heads, dim, block_size):
+    q, (k16, v16, k32, v32), chunks, g, want = _decode_twin(seqs, heads, kv_heads, dim, block_size)
     got = native.decode_attention(q, k16, v16, g.block_tables, g.lengths, dim**-0.5)
     assert got.dtype == torch.float32 and got.shape == (seqs, heads, dim)
     assert torch.equal(got, native.decode_attention(q, k32, v32, g.block_tables, g.lengths, dim**-0.5))
-    want = reference.paged_attention(q, k16, v16, g.block_tables, g.pad_index, g.mask, dim**-0.5)
     assert want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
     # Each row alone is the same bits as in company.
-    for r in (0, seqs - 1):
+    for r in {0, seqs // 2, seqs - 1}:
         alone = build_step([chunks[r]], block_size).groups[0]
         assert torch.equal(native.decode_attention(q[r : r + 1], k16, v16, alone.block_tables, alone.lengths, dim**-0.5)[0], got[r])
 
 
-def test_prompt_rows_over_a_bf16_pool_are_the_float32_pool_of_its_values():
+@at_levels()
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_prompt_rows_over_a_bf16_pool_are_the_float32_pool_of_its_values(level, prompt):
     gen = torch.Generator().manual_seed(5)
-    q, k, v, chunks = _prompt_case(gen, heads=9, kv_heads=3, dim=64, block_size=16, dtype=torch.float32)
+    q, k, v, chunks = _prompt_case(gen, heads=9, kv_heads=3, dim=64, block_size=16, dtype=torch.float32, prompt=prompt)
     k16, v16, k32, v32 = _bf16_pool(k, v)
     g = build_step(chunks, 16, buckets=False).groups[0]
     got = native.decode_attention(q, k16, v16, g.block_tables, g.row_lengths, 0.125, row_seq=g.row_seq)
@@ -57,8 +86,9 @@ def test_prompt_rows_over_a_bf16_pool_are_the_float32_pool_of_its_values():
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize(("rows", "real"), [(1, 1), (5, 3), (33, 33)])
-def test_rope_writes_k_and_v_rounded_to_bf16_as_torch_casts(rows, real):
+@at_levels()
+@pytest.mark.parametrize(("rows", "real"), [(1, 1), (5, 3), (7, 7), (33, 33), (129, 120)])
+def test_rope_writes_k_and_v_rounded_to_bf16_as_torch_casts(level, rows, real):
     heads, kv_heads, dim, block_size, num_blocks, max_pos = 9, 3, 64, 16, 9, 200
     gen = torch.Generator().manual_seed(rows)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen) * 3
@@ -92,7 +122,8 @@ def test_bf16_rows_with_a_float32_pool_are_refused():
                              torch.zeros(4, 32), k, v, torch.zeros(1, dtype=torch.int64), 4, 4)  # fmt: skip
 
 
-def test_a_float32_model_with_a_bf16_pool_agrees_with_its_torch_path_and_its_float32_pool(tiny_checkpoints):
+@at_levels()
+def test_a_float32_model_with_a_bf16_pool_agrees_with_its_torch_path_and_its_float32_pool(level, tiny_checkpoints):
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.models.llama import LlamaModel
 

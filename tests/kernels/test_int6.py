@@ -58,16 +58,22 @@ def _levels(monkeypatch) -> list[str]:
     return runs
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_0"])
+# (qtype, k): every type at K = 512; Q5_0 and Q5_1 (blocks of 32, no
+# super-blocks) also at a K that is not a multiple of 256: 288 (nine
+# blocks), and 96 (three, less than one super-block).
+TYPE_WIDTHS = [("Q6_K", 512), ("Q5_K", 512), ("Q5_0", 512), ("Q5_1", 512), ("Q5_0", 288), ("Q5_1", 96)]
+
+
+@pytest.mark.parametrize(("qtype", "k"), TYPE_WIDTHS)
 @pytest.mark.parametrize(("rows", "n"), [(1, 16), (7, 80), (33, 96), (129, 48)])
-def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(qtype, rows, n, monkeypatch):
+def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(qtype, k, rows, n, monkeypatch):
     levels = _levels(monkeypatch)
     if not levels:
         pytest.skip("no 6-bit kernel here (no AVX2 or AVX-512 VNNI, or no C compiler)")
-    parts = parts_from_gguf6(_raw(qtype, n, 512, seed=rows), qtype)
+    parts = parts_from_gguf6(_raw(qtype, n, k, seed=rows), qtype)
     pack = pack_int6_q8(parts)
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 512, generator=gen) * 3
+    x = torch.randn(rows, k, generator=gen) * 3
     x[:, 5] *= 40  # an outlier channel
     twin = int6_q8_matmul(parts, x)
     outs = {}

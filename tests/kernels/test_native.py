@@ -1,14 +1,22 @@
 """The C decode-attention kernel (kernels/native.py) against its torch twin
 (kernels/reference.paged_attention) on odd shapes, its batch invariance,
-its refusals, and the fallback when it cannot be built."""
+its refusals, and the fallback when it cannot be built; the norms, RoPE
+with the K/V store and SiLU against theirs.
+
+The kernel-against-twin tests run at every instruction-set level this CPU
+executes (tests/kernels/levels.py): an AVX-512 machine builds and checks
+the AVX2 and plain C kernels as well as its own, and skips, saying why, a
+level it lacks."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 
+from tests.kernels.levels import at_levels, use_level
 from trioserve.kernels import native, reference
 from trioserve.models.step import SeqChunk, build_step
 
@@ -22,6 +30,13 @@ def _kernels_built(request) -> None:
     TRIOSERVE_NATIVE_KERNELS=0) they skip, saying so."""
     if request.node.get_closest_marker("without_kernels") is None and native.library() is None:
         pytest.skip("no C kernels here: no working C compiler ($CC), or TRIOSERVE_NATIVE_KERNELS=0")  # the twin rounds scores and probabilities to bf16
+
+
+@pytest.fixture
+def level(request, monkeypatch) -> str:
+    """The C kernels of the level `at_levels` gives, or a skip saying why this CPU cannot run it."""
+    use_level(request.param, monkeypatch)
+    return request.param
 
 
 def _case(gen, *, seqs, heads, kv_heads, dim, block_size, dtype, extra=0):
@@ -44,23 +59,50 @@ def _case(gen, *, seqs, heads, kv_heads, dim, block_size, dtype, extra=0):
     return q, k, v, chunks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("seqs", [1, 3, 33])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2)])
-@pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (128, 32)])
-def test_matches_the_torch_twin(dtype, seqs, heads, kv_heads, dim, block_size):
+# (dtype, seqs, heads, kv_heads, dim, block_size): each head layout and
+# head size at 1, 3, 7 and 33 sequences in both dtypes; 129 (an odd count
+# split over threads) on few: the bf16 twin's cost grows with sequences
+# times KV heads, and takes seconds there on a CPU without native bf16, so
+# its 129-sequence case has one KV head (eight queries on it).
+DECODE_CASES = [
+    *(
+        (dtype, seqs, h, kvh, d, bs)
+        for d, bs in ((64, 16), (128, 32))
+        for h, kvh in ((4, 4), (9, 3), (8, 2))
+        for seqs in (1, 3, 7, 33)
+        for dtype in (torch.float32, torch.bfloat16)
+    ),
+    (torch.float32, 129, 9, 3, 64, 16),
+    (torch.float32, 129, 8, 2, 128, 32),
+    (torch.float32, 129, 8, 1, 64, 16),
+    (torch.bfloat16, 129, 8, 1, 64, 16),
+]
+
+
+@functools.lru_cache(maxsize=2)
+def _decode_twin(dtype, seqs, heads, kv_heads, dim, block_size):
+    """A decode case and the twin's answer to it, made once for all levels
+    (the twin does not depend on the level)."""
     gen = torch.Generator().manual_seed(seqs * 1000 + heads * 10 + dim)
     q, k, v, chunks = _case(gen, seqs=seqs, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=dtype)
     g = build_step(chunks, block_size).groups[0]
-    assert g.decode
     want = reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, dim**-0.5).float()
+    return q, k, v, g, want
+
+
+@at_levels()
+@pytest.mark.parametrize(("dtype", "seqs", "heads", "kv_heads", "dim", "block_size"), DECODE_CASES, ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
+def test_matches_the_torch_twin(level, dtype, seqs, heads, kv_heads, dim, block_size):
+    q, k, v, g, want = _decode_twin(dtype, seqs, heads, kv_heads, dim, block_size)
+    assert g.decode
     got = native.decode_attention(q, k, v, g.block_tables, g.lengths, dim**-0.5)
     assert got.dtype == torch.float32 and got.shape == (seqs, heads, dim)
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@at_levels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_row_is_the_same_bits_in_any_company_padding_or_thread_split(dtype):
+def test_a_row_is_the_same_bits_in_any_company_padding_or_thread_split(level, dtype):
     gen = torch.Generator().manual_seed(7)
     q, k, v, chunks = _case(gen, seqs=32, heads=9, kv_heads=3, dim=64, block_size=16, dtype=dtype, extra=200)
     crowd = build_step(chunks, 16, fixed=True).groups[0]  # tables padded to whole KV tiles
@@ -112,31 +154,52 @@ def _laid_out(keys, values, block_size, gen):
     return k, v, chunks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_row_is_the_same_bits_whatever_the_block_size(dtype):
-    """Where a sequence's keys lie is addressing only: the same keys in
-    blocks of 16, 8, 24 or 5 (blocks that a group of 16 keys crosses) give
-    the same bits, and the twin's answer."""
+@functools.lru_cache(maxsize=1)
+def _block_size_layouts(dtype):
+    """The same keys and values laid out in blocks of 16, 8, 24 and 5, with
+    the twin's answer for each: {block size: (k, v, group, want)}, and the
+    queries; made once for all levels."""
     gen = torch.Generator().manual_seed(11)
     lengths = [1, 16, 23, 64, 97, 130]
     keys = [torch.randn(3, n, 64, generator=gen).to(dtype) for n in lengths]
     values = [torch.randn(3, n, 64, generator=gen).to(dtype) for n in lengths]
     q = torch.randn(len(lengths), 9, 64, generator=gen).to(dtype)
-    results = {}
+    layouts = {}
     for bs in (16, 8, 24, 5):
         k, v, chunks = _laid_out(keys, values, bs, gen)
         g = build_step(chunks, bs, buckets=False).groups[0]
+        layouts[bs] = k, v, g, reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, 0.125).float()
+    return q, layouts
+
+
+@at_levels()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_is_the_same_bits_whatever_the_block_size(level, dtype):
+    """Where a sequence's keys lie is addressing only: the same keys in
+    blocks of 16, 8, 24 or 5 (blocks that a group of 16 keys crosses) give
+    the same bits, and the twin's answer."""
+    q, layouts = _block_size_layouts(dtype)
+    results = {}
+    for bs, (k, v, g, want) in layouts.items():
         results[bs] = native.decode_attention(q, k, v, g.block_tables, g.lengths, 0.125)
-        want = reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, 0.125).float()
         torch.testing.assert_close(results[bs], want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     for bs in (8, 24, 5):
         assert torch.equal(results[bs], results[16]), bs
 
 
-def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype):
-    """Three prompt chunks: one from position 0, one after a cached prefix
-    (a prefix-cache hit), one of a single token; blocks scattered."""
-    specs = [(0, 37), (2 * block_size + 3, 21), (50, 1)]
+# Prompt chunks as (start, tokens) for a block size: three chunks (one from
+# position 0, one after a cached prefix, as a prefix-cache hit, one of a
+# single token), or a long one after a prefix beside a short one from 0.
+PROMPTS = {
+    "37-21-1": lambda bs: [(0, 37), (2 * bs + 3, 21), (50, 1)],
+    "129-7": lambda bs: [(bs + 5, 129), (0, 7)],
+}
+
+
+def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype, prompt="37-21-1"):
+    """The chunks of ``PROMPTS[prompt]`` over scattered blocks, with random
+    queries, keys and values."""
+    specs = PROMPTS[prompt](block_size)
     chunks, num_blocks = scattered_prompt_chunks(gen, specs, block_size, spare=5)
     rows = sum(n for _, n in specs)
     k = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
@@ -145,25 +208,36 @@ def _prompt_case(gen, *, heads, kv_heads, dim, block_size, dtype):
     return q, k, v, chunks
 
 
+@functools.lru_cache(maxsize=1)
+def _prompt_twin(prompt, dtype, heads, kv_heads, dim, block_size):
+    """A prompt case, its step's group and the twin's answer, made once for all levels."""
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    q, k, v, chunks = _prompt_case(gen, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=dtype, prompt=prompt)
+    g = build_step(chunks, block_size, buckets=False).groups[0]
+    return q, k, v, chunks, g, reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, dim**-0.5).float()
+
+
+@at_levels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16)])
-def test_prompt_rows_match_the_torch_twin_and_each_row_is_its_own(dtype, heads, kv_heads, dim, block_size):
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_prompt_rows_match_the_torch_twin_and_each_row_is_its_own(level, prompt, dtype, heads, kv_heads, dim, block_size):
     """Prompt chunks read row by row (row_seq): the torch twin's causal
     attention over a cached prefix; and a row's bits do not depend on how
     its prompt was chunked or what else is in the call."""
-    gen = torch.Generator().manual_seed(heads * 100 + dim)
-    q, k, v, chunks = _prompt_case(gen, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, dtype=dtype)
-    g = build_step(chunks, block_size, buckets=False).groups[0]
-    assert not g.decode and g.row_seq.tolist() == [0] * 37 + [1] * 21 + [2]
-    assert g.row_lengths.tolist() == list(range(1, 38)) + list(range(2 * block_size + 4, 2 * block_size + 25)) + [51]
+    q, k, v, chunks, g, want = _prompt_twin(prompt, dtype, heads, kv_heads, dim, block_size)
+    specs = PROMPTS[prompt](block_size)
+    assert not g.decode and g.row_seq.tolist() == [i for i, (_, n) in enumerate(specs) for _ in range(n)]
+    assert g.row_lengths.tolist() == [start + t + 1 for start, n in specs for t in range(n)]
     scale = dim**-0.5
-    want = reference.paged_attention(q, k, v, g.block_tables, g.pad_index, g.mask, scale).float()
     got = native.decode_attention(q, k, v, g.block_tables, g.row_lengths, scale, row_seq=g.row_seq)
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     # The first chunk cut in two (the second part after the first's KV), and alone.
-    first = chunks[0]
-    head, tail = SeqChunk(first.token_ids[:13], 0, first.block_table), SeqChunk(first.token_ids[13:], 13, first.block_table)
-    for part, rows in ((head, slice(0, 13)), (tail, slice(13, 37))):
+    first, (start, n) = chunks[0], specs[0]
+    cut = 13  # mid-block at block sizes 16 and 32, and inside either prompt's first chunk
+    head = SeqChunk(first.token_ids[:cut], start, first.block_table)
+    tail = SeqChunk(first.token_ids[cut:], start + cut, first.block_table)
+    for part, rows in ((head, slice(0, cut)), (tail, slice(cut, n))):
         alone = build_step([part], block_size, buckets=False).groups[0]
         out = native.decode_attention(q[rows], k, v, alone.block_tables, alone.row_lengths, scale, row_seq=alone.row_seq)
         assert torch.equal(out, got[rows])
@@ -226,9 +300,10 @@ def test_builds_once_into_the_cache_by_a_key_of_source_and_cpu(fresh_library, tm
     assert native.library() is not None
 
 
+@at_levels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 64), (33, 100), (7, 17)])
-def test_rms_norm_matches_the_torch_twin_row_by_row(dtype, rows, n):
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 64), (33, 100), (7, 17), (129, 72)])
+def test_rms_norm_matches_the_torch_twin_row_by_row(level, dtype, rows, n):
     gen = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, n, generator=gen) * 30
     x[0, 0] = 2.5e4  # an "attention sink" sized value
@@ -244,10 +319,11 @@ def test_rms_norm_matches_the_torch_twin_row_by_row(dtype, rows, n):
         native.rms_norm(x.to(torch.bfloat16), weight, 1e-5, dtype)
 
 
+@at_levels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 16)])
-@pytest.mark.parametrize(("rows", "real"), [(1, 1), (5, 3), (33, 33)])
-def test_rope_and_kv_write_are_bit_identical_to_the_torch_twin(dtype, heads, kv_heads, dim, rows, real):
+@pytest.mark.parametrize(("rows", "real"), [(1, 1), (5, 3), (7, 7), (33, 33), (129, 120)])
+def test_rope_and_kv_write_are_bit_identical_to_the_torch_twin(level, dtype, heads, kv_heads, dim, rows, real):
     gen = torch.Generator().manual_seed(rows + heads + dim)
     block_size, num_blocks, max_pos = 16, 9, 200
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -351,16 +427,25 @@ def test_a_bad_native_kernels_value_is_one_error_line_and_exit_2(command, tiny_c
     assert not native_kernels_setting({"TRIOSERVE_NATIVE_KERNELS": " Off "})
 
 
+@at_levels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 64), (70, 100)])
-def test_the_residual_add_fused_into_the_norm_is_the_add_then_the_norm(dtype, rows, n):
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 64), (7, 17), (33, 100), (70, 100), (129, 72)])
+def test_the_residual_add_fused_into_the_norm_is_the_add_then_the_norm(level, dtype, rows, n):
     """add_rms_norm: h updated in place to h + delta, and the same bits as
-    rms_norm of that sum (70 rows: the threaded path too)."""
+    rms_norm of that sum (70 and 129 rows: the threaded path too), so within
+    rms_norm's tolerance of the torch twin on that sum; each row the same
+    bits alone."""
     gen = torch.Generator().manual_seed(rows + n)
     h = torch.randn(rows, n, generator=gen) * 30
     delta = torch.randn(rows, n, generator=gen).to(dtype)
     weight = torch.rand(n, generator=gen) + 0.5
     summed = h + delta
+    out = native.add_rms_norm(h.clone(), delta, weight, 1e-5, dtype)
+    for r in (0, rows // 2, rows - 1):  # a row alone: the same bits
+        assert torch.equal(native.add_rms_norm(h[r : r + 1].clone(), delta[r : r + 1], weight, 1e-5, dtype), out[r : r + 1])
+    want = reference.rms_norm(summed, weight, 1e-5).to(dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # as rms_norm's own test
+    torch.testing.assert_close(out.float(), want.float(), atol=tolerance, rtol=tolerance)
     out = native.add_rms_norm(h, delta, weight, 1e-5, dtype)
     assert torch.equal(h, summed)
     assert out.dtype == dtype and torch.equal(out, native.rms_norm(summed, weight, 1e-5, dtype))
@@ -368,9 +453,10 @@ def test_the_residual_add_fused_into_the_norm_is_the_add_then_the_norm(dtype, ro
         native.add_rms_norm(h.to(torch.bfloat16), delta, weight, 1e-5, dtype)
 
 
+@at_levels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("rows", "f"), [(1, 1536), (5, 21), (70, 48)])
-def test_silu_mul_is_within_one_rounding_of_the_exact_product_row_by_row(dtype, rows, f):
+@pytest.mark.parametrize(("rows", "f"), [(1, 1536), (5, 21), (7, 100), (33, 21), (70, 48), (129, 40)])
+def test_silu_mul_is_within_one_rounding_of_the_exact_product_row_by_row(level, dtype, rows, f):
     """silu_mul: silu(gate) * up rounded once (torch's F.silu(gate) * up
     rounds twice); each row the same bits alone as in company; widths not a
     multiple of 16 take the scalar tail."""

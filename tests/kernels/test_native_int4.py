@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.k_quants import quantize_q4_k
 from trioserve.kernels import native
 from trioserve.kernels.int4 import Projection, parts_from_gguf
 
@@ -27,22 +28,44 @@ def _available() -> bool:
 needs_kernel = pytest.mark.skipif(not _available(), reason="the C int4 kernel needs AVX-512 BF16 and a C compiler")
 
 
-def _parts(n: int, k: int, qtype, seed: int = 0):
+def _raw(n: int, k: int, qtype, seed: int = 0) -> np.ndarray:
+    """A random [n, k] weight with a per-row offset as ``qtype`` blocks (Q4_K
+    by the tests' own writer: the gguf package cannot write it)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.1 + rng.uniform(-0.05, 0.05, (n, 1))).astype(np.float32)
-    return parts_from_gguf(gguf.quants.quantize(w, qtype), qtype.name)
+    return quantize_q4_k(w) if qtype == Q.Q4_K else gguf.quants.quantize(w, qtype)
+
+
+def _parts(n: int, k: int, qtype, seed: int = 0):
+    return parts_from_gguf(_raw(n, k, qtype, seed), qtype.name)
+
+
+# (qtype, n, k, rows): Q4_0 and Q4_1 at every shape by 1, 3 and 33 rows;
+# then each 4-bit type by 1, 7, 33 and 129 rows on a small weight, K not a
+# multiple of 256 (288) where the type allows it (Q4_K: super-blocks of 256).
+CASES = [
+    *((qtype, n, k, rows) for qtype in (Q.Q4_0, Q.Q4_1) for n, k in ((32, 32), (64, 96), (960, 576), (96, 1536)) for rows in (1, 3, 33)),
+    *((qtype, 64, 288, rows) for qtype in (Q.Q4_0, Q.Q4_1) for rows in (1, 7, 33, 129)),
+    *((Q.Q4_K, 64, 512, rows) for rows in (1, 7, 33, 129)),
+]
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
-@pytest.mark.parametrize(("n", "k"), [(32, 32), (64, 96), (960, 576), (96, 1536)])
-@pytest.mark.parametrize("rows", [1, 3, 33])
+@pytest.mark.parametrize(("qtype", "n", "k", "rows"), CASES, ids=lambda v: v.name.lower() if isinstance(v, Q) else None)
 def test_matches_the_dequantized_weights(qtype, n, k, rows):
     """fp32 out: x (bf16 values) times the file's own dequantized weights,
-    up to fp32 summation; bf16 out: that, rounded once to bf16."""
-    parts = _parts(n, k, qtype, seed=n + k + rows)
-    expected = gguf.quants.dequantize(gguf.quants.quantize(parts.dequantize().numpy(), qtype), qtype)
-    np.testing.assert_allclose(parts.dequantize().numpy(), expected.reshape(n, k), atol=1e-6, rtol=0)
+    up to fp32 summation; bf16 out: that, rounded once to bf16; each row
+    the same bits alone as in company."""
+    raw = _raw(n, k, qtype, seed=n + k + rows)
+    parts = parts_from_gguf(raw, qtype.name)
+    if qtype == Q.Q4_K:  # a group's scale and offset rounded to f16 at load: within 2^-11 of each term
+        file = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
+        d, m = parts.scale[..., None].abs(), (parts.zero - 8 * parts.scale)[..., None].abs()
+        terms = (parts.q.float().view(n, k // 32, 32) * d + m).view(n, k)
+        assert ((parts.dequantize() - file).abs() <= terms * 2**-10 + 1e-9).all()
+    else:
+        expected = gguf.quants.dequantize(gguf.quants.quantize(parts.dequantize().numpy(), qtype), qtype)
+        np.testing.assert_allclose(parts.dequantize().numpy(), expected.reshape(n, k), atol=1e-6, rtol=0)
     pack = native.pack_int4(parts)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     exact = x.double() @ parts.dequantize().double().T
@@ -53,6 +76,8 @@ def test_matches_the_dequantized_weights(qtype, n, k, rows):
     y16 = native.int4_matmul(pack, x)
     assert y16.dtype == torch.bfloat16
     assert torch.equal(y16, y32.to(torch.bfloat16))
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(native.int4_matmul(pack, x[r : r + 1]), y16[r : r + 1])
 
 
 @needs_kernel

@@ -13,6 +13,7 @@ CPU lacks is skipped with the reason; the twin's tests always run."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import gguf
@@ -21,6 +22,7 @@ import pytest
 import torch
 import trio
 
+from tests.k_quants import quantize_q4_k
 from trioserve import cli
 from trioserve.config import CPU_FEATURES_ENV
 from trioserve.kernels import native, reference
@@ -50,9 +52,12 @@ def level(request, monkeypatch) -> str:
 
 
 def _parts(n: int, k: int, qtype=Q.Q4_1, seed: int = 0):
+    """A random [n, k] weight with a per-row offset, quantized to ``qtype``
+    (Q4_K by the tests' own writer: the gguf package cannot write it)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.1 + rng.uniform(-0.05, 0.05, (n, 1))).astype(np.float32)
-    return parts_from_gguf(gguf.quants.quantize(w, qtype), qtype.name)
+    raw = quantize_q4_k(w) if qtype == Q.Q4_K else gguf.quants.quantize(w, qtype)
+    return parts_from_gguf(raw, qtype.name)
 
 
 def _twin_args(parts):
@@ -69,20 +74,40 @@ def _rows(rows: int, k: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
-@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (960, 576), (96, 1536)])
-@pytest.mark.parametrize("rows", [1, 3, 37])
+# (qtype, n, k, rows): Q4_0 and Q4_1 at every shape by 1, 3 and 37 rows;
+# then each 4-bit type by 1, 7, 33 and 129 rows on a small weight, K not a
+# multiple of 256 (288: nine blocks of 32) where the type allows it (Q4_K
+# comes in super-blocks of 256).
+TWIN_CASES = [
+    *((qtype, n, k, rows) for qtype in (Q.Q4_0, Q.Q4_1) for n, k in ((16, 32), (80, 96), (960, 576), (96, 1536)) for rows in (1, 3, 37)),
+    *((qtype, 80, 288, rows) for qtype in (Q.Q4_0, Q.Q4_1) for rows in (1, 7, 33, 129)),
+    *((Q.Q4_K, n, k, rows) for n, k in ((80, 512), (48, 256)) for rows in (1, 7, 33, 129)),
+]
+
+
+@functools.lru_cache(maxsize=2)
+def _twin_case(qtype, n, k, rows, dtype):
+    """The weight, the rows and the twin's answer, made once for every
+    level (the twin does not depend on the level, and is the slow part)."""
+    parts = _parts(n, k, qtype)
+    x = _rows(rows, k).to(dtype)
+    return parts, x, reference.int4_q8_matmul(*_twin_args(parts), x)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)  # outermost: the levels of one case run in a row, sharing its twin
+@pytest.mark.parametrize(("qtype", "n", "k", "rows"), TWIN_CASES, ids=lambda v: v.name.lower() if isinstance(v, Q) else None)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_matches_its_torch_twin_and_the_weights(level, qtype, n, k, rows, dtype):
     """Within fp32 rounding of the twin (the kernel fuses two multiply-adds
     a block), and within the 8-bit rounding's bound of the dequantized
-    weights in float64. 80 outputs are five tiles of 16: a group of three,
-    then two."""
-    parts = _parts(n, k, qtype)
-    x = _rows(rows, k).to(dtype)
-    out = native.int4_q8_matmul(native.pack_int4_q8(parts), x)
+    weights in float64; each row the same bits alone as in company. 80
+    outputs are five tiles of 16: a group of three, then two."""
+    parts, x, twin = _twin_case(qtype, n, k, rows, dtype)
+    pack = native.pack_int4_q8(parts)
+    out = native.int4_q8_matmul(pack, x)
     assert out.dtype == dtype and out.shape == (rows, n)
-    twin = reference.int4_q8_matmul(*_twin_args(parts), x)
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(native.int4_q8_matmul(pack, x[r : r + 1]), out[r : r + 1])
     scale = twin.abs().max()
     if dtype == torch.float32:
         assert (out - twin).abs().max() <= 1e-6 * scale
@@ -137,14 +162,22 @@ def test_the_kernels_block_sums_are_the_twins_bits(level):
     assert torch.equal(out[:, 0], want)
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 48, 32), (7, 80, 96), (33, 960, 576), (129, 64, 1536)])
-def test_every_level_gives_a_row_the_same_bits(rows, n, k, monkeypatch):
+@pytest.mark.parametrize(
+    ("qtype", "rows", "n", "k"),
+    [
+        *((Q.Q4_1, rows, n, k) for rows, n, k in ((1, 48, 32), (7, 80, 96), (33, 960, 576), (129, 64, 1536))),
+        *((Q.Q4_0, rows, 80, 288) for rows in (1, 7, 33, 129)),
+        *((Q.Q4_K, rows, 48, 512) for rows in (1, 7, 33, 129)),
+    ],
+    ids=lambda v: v.name.lower() if isinstance(v, Q) else None,
+)
+def test_every_level_gives_a_row_the_same_bits(qtype, rows, n, k, monkeypatch):
     """The AVX2 builds (with and without AVX-VNNI) and the native one (AVX-512
     VNNI here) compute a block's integer sum exactly and scale it by the
     same operations, so they agree bit for bit: a trace replays alike on
     an AVX2 laptop and an AVX-512 server. Odd row counts, a last group of
-    one or two tiles, bf16 and fp32 inputs and outputs."""
-    parts = _parts(n, k, seed=rows)
+    one or two tiles, bf16 and fp32 inputs and outputs, each 4-bit type."""
+    parts = _parts(n, k, qtype, seed=rows)
     pack = native.pack_int4_q8(parts)
     x = _rows(rows, k, seed=rows)
     results = {}
