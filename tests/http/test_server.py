@@ -46,7 +46,7 @@ from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.types import SamplingParams
 
-TIMEOUT = httpx.Timeout(10.0)
+TIMEOUT = httpx.Timeout(60.0)  # a hang guard: the tiny model answers in well under a second
 
 
 def user(text: str) -> list[dict]:
@@ -63,7 +63,7 @@ async def call(fn, /, *args, **kwargs):
 
 
 def sync_client(url: str, api_key: str = "x") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=10.0)
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60.0)
 
 
 # -- the in-process reference ---------------------------------------------------
