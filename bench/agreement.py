@@ -23,7 +23,7 @@ import urllib.request
 
 import torch
 
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel

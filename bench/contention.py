@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trioserve.engine import resolve_dtype  # noqa: E402
+from trioserve.kernels.cpu import resolve_dtype  # noqa: E402
 from trioserve.kernels.cpu import ThreadGovernor, cpu_flags, default_threads  # noqa: E402
 from trioserve.models.checkpoint import load_checkpoint  # noqa: E402
 from trioserve.models.llama import LlamaModel  # noqa: E402

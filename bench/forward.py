@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step

@@ -12,7 +12,7 @@ other with bench/serve.py (streaming chat, temperature 0, ignore_eos):
 - "after+record": this tree with `--record` into a temporary directory.
 
 The forward step is timed in process on this tree's worker function
-(`actors.worker.forward_step`: building the step's inputs and the forward
+(`StepRunner.forward`, models/step_runner.py: building the step's inputs and the forward
 pass, as the worker thread runs it) for one decode row at the context the
 HTTP run sees, median of many steps, measured before and after the servers
 run; the per-token overhead is ITL p50 minus that median. The servers and
@@ -88,15 +88,15 @@ def load(url: str, concurrency: int, requests: int, args) -> dict:
 
 
 def forward_step_ms(context: int, steps: int, threads: int) -> float:
-    """Median ms of the worker's forward_step for one decode row."""
+    """Median ms of the step runner's forward pass for one decode row."""
     sys.path.insert(0, str(ROOT))
     import torch
 
     torch.set_num_threads(threads)
-    from trioserve.actors.worker import forward_step
-    from trioserve.engine import resolve_dtype
+    from trioserve.kernels.cpu import resolve_dtype
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.models.llama import LlamaModel
+    from trioserve.models.step_runner import StepRunner
     from trioserve.state.kv_pool import BlockPool
     from trioserve.types import PlanRow, SampleRow, SamplingParams, StepPlan
 
@@ -108,12 +108,13 @@ def forward_step_ms(context: int, steps: int, threads: int) -> float:
     table = tuple(pool.grow("s", context + steps + 1))
     prompt = tuple(range(100, 100 + context))
     sample = SampleRow(SamplingParams(temperature=0.0), 0, 0)
-    forward_step(model, cache, block, StepPlan(1, (PlanRow("s", prompt, 0, table, False, sample),)))
+    runner = StepRunner(model, cache, vocab_size=checkpoint.tokenizer.vocab_size)
+    runner.forward(StepPlan(1, (PlanRow("s", prompt, 0, table, False, sample),)))
     times = []
     for k in range(steps):
         plan = StepPlan(2 + k, (PlanRow("s", (7,), context + k, table, True, sample),))
         t0 = time.perf_counter()
-        forward_step(model, cache, block, plan)
+        runner.forward(plan)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1000
 

@@ -35,21 +35,30 @@ from trioserve.actors import worker
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 
-if hasattr(worker, "forward_step"):  # after the engine core
+try:  # since the step runner: the forward pass is StepRunner.forward
+    from trioserve.models.step_runner import StepRunner
+except ImportError:
+    StepRunner = None
+
+if StepRunner is not None:
     from trioserve.types import GenerateRequest, SamplingParams
 
-    STEP_FUNCTION = "forward_step"
+    STEP_OWNER, STEP_FUNCTION = StepRunner, "forward"
+elif hasattr(worker, "forward_step"):  # after the engine core
+    from trioserve.types import GenerateRequest, SamplingParams
+
+    STEP_OWNER, STEP_FUNCTION = worker, "forward_step"
 else:  # before it
     from trioserve.actors.messages import GenerateRequest
     from trioserve.models.sampling import SamplingParams
 
-    STEP_FUNCTION = "run_step"
+    STEP_OWNER, STEP_FUNCTION = worker, "run_step"
 
 
 def time_steps() -> list[float]:
     """Wrap the worker's forward-pass call; the list its durations go to."""
     durations: list[float] = []
-    real = getattr(worker, STEP_FUNCTION)
+    real = getattr(STEP_OWNER, STEP_FUNCTION)
 
     def timed(*args):
         started = time.perf_counter()
@@ -58,7 +67,7 @@ def time_steps() -> list[float]:
         finally:
             durations.append(time.perf_counter() - started)
 
-    setattr(worker, STEP_FUNCTION, timed)
+    setattr(STEP_OWNER, STEP_FUNCTION, timed)
     return durations
 
 

@@ -30,7 +30,7 @@ import torch
 
 import trioserve.kernels.reference as reference
 import trioserve.models.step as step_module
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step

@@ -42,7 +42,7 @@ import torch
 import trio
 
 from trioserve.config import MIB, EngineConfig, ServerSettings
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.http.serve import serve_app
 from trioserve.models.checkpoint import load_checkpoint
 

@@ -23,7 +23,8 @@ import torch
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.engine import open_engine, resolve_dtype
+from trioserve.engine import open_engine
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.types import GenerateRequest, SamplingParams, TokenEvent

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trioserve.engine import GPU_KV_SHARE, kv_budget, resolve_dtype
+from trioserve.engine import GPU_KV_SHARE, kv_budget
 from trioserve.errors import RequestError
-from trioserve.kernels.cpu import auto_dtype
+from trioserve.kernels.cpu import auto_dtype, resolve_dtype
 
 
 def test_auto_is_bfloat16_on_a_gpu_and_by_the_cpu_elsewhere():

@@ -24,7 +24,7 @@ import trio
 import trio.testing
 
 from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
-from trioserve.actors.worker import StepRefused
+from trioserve.models.step_runner import StepRefused
 from trioserve.config import EngineConfig
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge

@@ -7,7 +7,7 @@ import pytest
 import torch
 import trio
 
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.types import FinalEvent, GenerateRequest, TokenEvent
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.kernels import native

@@ -257,7 +257,7 @@ def _generate(args: argparse.Namespace) -> int:
     text is printed as it streams."""
     import trio
 
-    from trioserve.engine import resolve_dtype
+    from trioserve.kernels.cpu import resolve_dtype
     from trioserve.http.schemas import parse_chat_request, sampling_params
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.progress import ProgressBar

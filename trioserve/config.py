@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 MIB = 1 << 20
-# --dtype values; "auto" is bfloat16 (trioserve.engine.DTYPES maps them to torch).
+# --dtype values; "auto" is bfloat16 (trioserve.kernels.cpu.DTYPES maps them to torch).
 DTYPE_NAMES = ("auto", "bfloat16", "float32", "float16")
 
 

@@ -25,23 +25,20 @@ from trioserve.actors.messages import Cancel, SampleRequest, SchedulerMessage, S
 from trioserve.actors.sampler import run_sampler
 from trioserve.actors.scheduler import Scheduler, run_scheduler
 from trioserve.actors.worker import run_worker
-from trioserve.config import DTYPE_NAMES, EngineConfig
+from trioserve.config import EngineConfig
 from trioserve.core.engine_core import CoreSettings, check_request, new_core
 from trioserve.core.trace import Recording, TraceWriter, header, new_trace_path
 from trioserve.errors import EngineClosed, RequestError
-from trioserve.kernels.cpu import auto_dtype
+from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype
 from trioserve.models.checkpoint import Checkpoint, Progress, checkpoint_digest, load_checkpoint
 from trioserve.models.guided import GuideCompiler
 from trioserve.models.llama import LlamaModel
 from trioserve.models.sampling import new_seed
+from trioserve.models.step_runner import StepRunner, thread_governor
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import blocks_for_budget
 from trioserve.state.stats import EngineStats
 from trioserve.types import Event, FinalEvent, GenerateRequest, SamplingParams
-
-DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-assert tuple(DTYPES) == DTYPE_NAMES
-
 
 class Engine:
     """A handle on running actors: submit requests, read statistics."""
@@ -207,23 +204,6 @@ class _EventStream:
         return event
 
 
-def resolve_kv_dtype(name: str) -> torch.dtype | None:
-    """The KV pool's dtype ``name`` means (config.kv_cache_dtype): None for auto (the weights')."""
-    return None if name == "auto" else DTYPES[name]
-
-
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """The weights' dtype ``name`` means on ``device``: auto is bfloat16 on
-    a GPU, and on a CPU bfloat16 only where it has native bf16 (kernels/cpu.py)."""
-    try:
-        dtype = DTYPES[name]
-    except KeyError:
-        raise RequestError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype") from None
-    if dtype is not None:
-        return dtype
-    return torch.bfloat16 if torch.device(device).type == "cuda" else auto_dtype()
-
-
 # The share of a GPU's free memory (after the weights are loaded) the KV
 # pool may take at most; the rest is left for activations and the allocator.
 GPU_KV_SHARE = 0.9
@@ -312,11 +292,12 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     sampler_send, sampler_recv = trio.open_memory_channel[SampleRequest](1)
     inbox_send, inbox_recv = trio.open_memory_channel[SchedulerMessage](config.channel_size)
     guides = GuideCompiler(checkpoint.tokenizer)
+    runner = StepRunner(model, cache, vocab_size=checkpoint.tokenizer.vocab_size, guides=guides, governor=thread_governor(model))
     scheduler = Scheduler(core, worker_send)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_sampler, sampler_recv, checkpoint.tokenizer.vocab_size, guides, device)
-            await nursery.start(run_worker, model, cache, worker_recv, sampler_send, device)
+            await nursery.start(run_sampler, sampler_recv, runner, device)
+            await nursery.start(run_worker, runner, worker_recv, sampler_send, device)
             await nursery.start(run_scheduler, scheduler, inbox_recv)
             engine = Engine(
                 config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations

@@ -9,7 +9,7 @@ import pytest
 import torch
 import trio
 
-from trioserve.actors import sampler as sampler_module
+from trioserve.models import step_runner as step_runner_module
 from trioserve.actors.device import open_device_thread, release_openmp_threads
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
@@ -63,13 +63,13 @@ async def test_the_engine_runs_forward_and_sampling_on_its_device_thread(tiny_ch
             seen["forward"].add(threading.get_ident())
             return super().forward(batch, cache)
 
-    real_sample = sampler_module.sample_rows
+    real_sample = step_runner_module.sample_rows
 
     def watched_sample(*args, **kwargs):
         seen["sample"].add(threading.get_ident())
         return real_sample(*args, **kwargs)
 
-    monkeypatch.setattr(sampler_module, "sample_rows", watched_sample)
+    monkeypatch.setattr(step_runner_module, "sample_rows", watched_sample)
     model = Watched(ckpt.config, ckpt.weights, batch_invariant=True)
     with trio.fail_after(30):
         async with open_engine(EngineConfig(dtype="float32", kv_cache_bytes=1 << 20, prefill_budget=64, max_num_seqs=4), checkpoint=ckpt, model=model) as engine:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trioserve.actors.worker import fixed_point_sums
+from trioserve.models.step_runner import fixed_point_sums
 from trioserve.core.engine_core import CoreMisuse, CoreSettings, new_core
 from trioserve.models.checkpoint import load_tokenizer
 from trioserve.state.pooling import FRACTION_BITS, add_sums, embedding, float32s

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from tests.tiny_model import set_gguf_u32
-from trioserve.actors import worker
+from trioserve.models.step_runner import StepRunner
 from trioserve.config import EngineConfig, ServerSettings
 from trioserve.http.serve import serve_app
 
@@ -112,15 +112,15 @@ def slow_steps(monkeypatch) -> Callable[[float], None]:
     step itself is the real one."""
 
     def install(seconds: float) -> None:
-        real = worker.forward_step
+        real = StepRunner.forward
 
-        def slow(*args, **kwargs):
+        def slow(self, plan):
             import time
 
             time.sleep(seconds)
-            return real(*args, **kwargs)
+            return real(self, plan)
 
-        monkeypatch.setattr(worker, "forward_step", slow)
+        monkeypatch.setattr(StepRunner, "forward", slow)
 
     return install
 

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.http.conftest import make_settings, start_server
-from trioserve.actors import worker
+from trioserve.models.step_runner import StepRunner
 from trioserve.core.replay import replay_trace
 
 LONG = [5 + (7 * i) % 200 for i in range(180)]
@@ -27,13 +27,13 @@ def dear_prompts(monkeypatch):
     """A slow machine: every step takes 5 ms more, and 1 ms more for each
     prompt token it carries (a sleep in the worker thread before the real
     step). The tiny model alone is too fast to have steps worth limiting."""
-    real = worker.forward_step
+    real = StepRunner.forward
 
-    def slow(model, cache, block_size, plan, *args, **kwargs):
+    def slow(self, plan):
         time.sleep(0.005 + 0.001 * sum(len(r.token_ids) for r in plan.rows if not r.decode))
-        return real(model, cache, block_size, plan, *args, **kwargs)
+        return real(self, plan)
 
-    monkeypatch.setattr(worker, "forward_step", slow)
+    monkeypatch.setattr(StepRunner, "forward", slow)
 
 
 async def reply_beside_a_decoding_stream(url: str) -> str:

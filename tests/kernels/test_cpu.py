@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.engine import resolve_dtype
-from trioserve.kernels.cpu import auto_dtype, cpu_flags, native_bf16
+from trioserve.kernels.cpu import auto_dtype, cpu_flags, native_bf16, resolve_dtype
 
 
 def test_auto_is_bfloat16_only_with_native_bf16():

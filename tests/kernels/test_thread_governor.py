@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trioserve.actors.worker import thread_governor
+from trioserve.models.step_runner import thread_governor
 from trioserve.kernels import native
 from trioserve.kernels.cpu import ThreadGovernor
 from trioserve.models.checkpoint import load_checkpoint

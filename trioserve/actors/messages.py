@@ -4,11 +4,15 @@ events) are the shared plain types of trioserve.types."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
-import torch
 import trio
 
 from trioserve.types import Event, GenerateRequest, StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from trioserve.models.step_runner import StepOutput
 
 
 # -- scheduler inbox -----------------------------------------------------------
@@ -42,13 +46,13 @@ class StepRequest:
 # -- sampler inbox -------------------------------------------------------------
 @attrs.frozen
 class SampleRequest:
-    """The logits of ``plan``'s sampling rows, in order, handed over by the
-    worker; the sampler replies to the scheduler."""
+    """What ``plan``'s forward pass gave (the logits of its sampling rows, in
+    order, and its pooling rows' sums), handed over by the worker; the
+    sampler replies to the scheduler."""
 
     plan: StepPlan
-    logits: torch.Tensor  # [sampling rows, vocab or more] fp32
+    out: StepOutput
     reply: trio.MemorySendChannel[StepResult]
-    pooled: tuple[tuple[int, ...], ...] = ()  # the step's pooling rows' sums, passed on in the result
 
 
 def deliver(channel: trio.MemorySendChannel, message) -> bool:

@@ -80,7 +80,7 @@ class Summary:
         return f"{self.lines} records, {self.submits} requests, {checked}, {self.tokens} tokens, {self.finals} finished"
 
 
-StepRunner = Callable[[StepPlan], StepResult]
+RunStep = Callable[[StepPlan], StepResult]  # a plan in, its result out (models/step_runner.py)
 
 
 def replay_trace(
@@ -88,7 +88,7 @@ def replay_trace(
     *,
     checkpoint: str | Path | None = None,
     model: bool = False,
-    runner_factory: Callable[[dict, Any], StepRunner] | None = None,
+    runner_factory: Callable[[dict, Any], RunStep] | None = None,
 ) -> Summary:
     """Replay ``path``; the summary's ``difference`` is the first found.
     ``checkpoint`` overrides where the recorded checkpoint is found. Raises
@@ -249,16 +249,15 @@ def _load_tokenizer(path, head: dict, source):
     return tokenizer, compile_guide
 
 
-def model_runner(head: dict, source) -> StepRunner:
-    """Runs planned steps as the server's worker and sampler do, with the
+def model_runner(head: dict, source) -> RunStep:
+    """Runs planned steps as the server does (models/step_runner.py), with the
     recorded engine settings (dtype, 4-bit weights, device, block size,
     batch-invariant arithmetic)."""
-    from trioserve.actors.sampler import sample_step  # noqa: PLC0415 - heavy imports, only in model mode
-    from trioserve.actors.worker import forward_step  # noqa: PLC0415
-    from trioserve.engine import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415
+    from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415 - heavy imports, only in model mode
     from trioserve.models.checkpoint import load_checkpoint  # noqa: PLC0415
     from trioserve.models.guided import GuideCompiler  # noqa: PLC0415
     from trioserve.models.llama import LlamaModel  # noqa: PLC0415
+    from trioserve.models.step_runner import StepRunner  # noqa: PLC0415
 
     engine, core = head["engine"], head["core"]
     checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"], engine["device"]))
@@ -270,18 +269,8 @@ def model_runner(head: dict, source) -> StepRunner:
         activations=engine.get("activations", "bf16"), kv_dtype=resolve_kv_dtype(engine.get("kv_cache_dtype", "auto")),
     )  # fmt: skip
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
-    guides = GuideCompiler(checkpoint.tokenizer)
-    vocab = checkpoint.tokenizer.vocab_size
-
-    def run(plan: StepPlan) -> StepResult:
-        out = forward_step(model, cache, core["block_size"], plan)
-        if isinstance(out, StepResult):
-            return out
-        if not plan.sampling:
-            return StepResult(plan.number, pooled=out.pooled)
-        return attrs.evolve(sample_step(plan, out.logits, vocab, guides), pooled=out.pooled)
-
-    return run
+    runner = StepRunner(model, cache, vocab_size=checkpoint.tokenizer.vocab_size, guides=GuideCompiler(checkpoint.tokenizer))
+    return runner.run
 
 
 def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:

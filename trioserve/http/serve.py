@@ -17,7 +17,7 @@ from hypercorn.utils import LifespanFailureError
 
 from trioserve.config import ServerSettings
 from trioserve.errors import TrioserveError
-from trioserve.engine import resolve_dtype
+from trioserve.kernels.cpu import resolve_dtype
 from trioserve.http.app import create_app
 from trioserve.http.transport import TransportLimits, serve_http
 from trioserve.actors.device import without_openmp_helpers

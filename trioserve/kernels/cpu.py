@@ -17,7 +17,8 @@ import platform
 
 import torch
 
-from trioserve.config import CPU_FEATURES_ENV
+from trioserve.config import CPU_FEATURES_ENV, DTYPE_NAMES
+from trioserve.errors import RequestError
 
 # Flags (as /proc/cpuinfo spells them) that mean native bf16 dot products.
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -51,6 +52,28 @@ def auto_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
     """The weights' dtype "auto" stands for on this CPU (or one with
     ``flags``). A user whose CPU is misjudged passes --dtype."""
     return torch.bfloat16 if native_bf16(flags) else torch.float32
+
+
+# --dtype's names as torch dtypes (auto: by the device, `resolve_dtype`).
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+assert tuple(DTYPES) == DTYPE_NAMES
+
+
+def resolve_kv_dtype(name: str) -> torch.dtype | None:
+    """The KV pool's dtype ``name`` means (config.kv_cache_dtype): None for auto (the weights')."""
+    return None if name == "auto" else DTYPES[name]
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The weights' dtype ``name`` means on ``device``: auto is bfloat16 on
+    a GPU, and on a CPU bfloat16 only where it has native bf16 (kernels/cpu.py)."""
+    try:
+        dtype = DTYPES[name]
+    except KeyError:
+        raise RequestError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype") from None
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if torch.device(device).type == "cuda" else auto_dtype()
 
 
 # What each x86-64 instruction-set level of the C kernels needs of the CPU

@@ -2,7 +2,7 @@
 tokens by finding its last few tokens earlier in its own history (prompt and
 output) and proposing what followed them there. Plain Python, no model: the
 guess costs nothing to make, and the model checks all of it in one step
-(state/scheduling.py plans it, actors/sampler.py accepts its right prefix).
+(state/scheduling.py plans it, models/step_runner.py accepts its right prefix).
 
 Deterministic: the same history gives the same draft, so a core replays the
 same plans (core/replay.py)."""

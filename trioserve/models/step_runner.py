@@ -1,0 +1,237 @@
+"""One step, from its plan to its result: the only code that touches the
+device per step. `StepRunner.run(plan)` builds the step's inputs, runs the
+forward pass, sums the pooling rows' hidden states, fills the guided rows'
+masks, samples each sampling row's token and keeps what a speculative draft
+got right. It is synchronous and blocking: the worker actor calls it in its
+device thread (actors/worker.py), and replay calls it directly
+(core/replay.py), so both run exactly the same step.
+
+It is in two halves, `forward` (the forward pass and pooling) and `sample`
+(masks, draws, draft checks), only so that the engine can hand the second
+to another actor; `run` is the two in order.
+
+Failure semantics. A step refused before it runs (its inputs do not describe
+a valid step) fails only that step's requests: nothing was written. Any
+other exception in the forward pass happens after the cache may have been
+partly written, so the result is fatal and the scheduler declares the
+engine dead. A failure while sampling fails the step's sampling rows.
+
+Sampling draws: each request's come from its own counter-based stream,
+keyed by (seed, draw index) carried in its plan row, so what else shares the
+step cannot change them (models/sampling.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from trioserve.kernels.cpu import ThreadGovernor
+from trioserve.models.guided import GuideCompiler
+from trioserve.models.sampling import sample_rows
+from trioserve.models.step import SeqChunk, build_step
+from trioserve.state.pooling import FRACTION_BITS, LIMIT
+from trioserve.types import PlanRow, Sampled, SampleRow, StepPlan, StepResult
+
+
+class StepRefused(Exception):
+    """Raised before any device state changes: the step was not run."""
+
+
+@attrs.frozen
+class StepOutput:
+    """What a forward pass gave: the logits of the plan's sampling rows, in
+    order ([rows, vocab] fp32 on the CPU; None when nothing samples), and
+    the fixed-point sums of its pooling rows (StepResult.pooled)."""
+
+    logits: torch.Tensor | None
+    pooled: tuple[tuple[int, ...], ...] = ()
+
+
+class StepRunner:
+    """Runs a model's steps over its KV ``cache``. ``vocab_size``: the
+    tokenizer's (a checkpoint may pad its head past it; those ids are never
+    drawn). ``guides``: compiles and fills guided rows' masks (None: no
+    guided rows). ``governor``: chooses each step's CPU threads and is told
+    how long the forward pass took (only for a model whose bits do not
+    depend on them: `thread_governor`)."""
+
+    def __init__(self, model, cache, *, vocab_size: int, guides: GuideCompiler | None = None, governor: ThreadGovernor | None = None):
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.vocab_size = vocab_size
+        self.guides = guides
+        self.governor = governor
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """The whole step. Blocking: call it from the device thread."""
+        out = self.forward(plan)
+        return out if isinstance(out, StepResult) else self.finish(plan, out)
+
+    def finish(self, plan: StepPlan, out: StepOutput) -> StepResult:
+        """The step's result after its forward pass: the sampled tokens, and
+        the pooled sums whatever sampling gave."""
+        if not plan.sampling:
+            return StepResult(plan.number, pooled=out.pooled)
+        result = self.sample(plan, out.logits)
+        return attrs.evolve(result, pooled=out.pooled) if out.pooled else result
+
+    def forward(self, plan: StepPlan) -> StepResult | StepOutput:
+        """The forward pass: the logits of the plan's sampling rows and the
+        sums of its pooling rows, or the StepResult that says why there are
+        none. Blocking."""
+        if self.governor is None:
+            return self._forward(plan)
+        tokens = sum(len(r.token_ids) for r in plan.rows)
+        threads = self.governor.choose(tokens)
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        out = self._forward(plan)
+        self.governor.record(tokens, threads, time.perf_counter() - started)
+        return out
+
+    def _forward(self, plan: StepPlan) -> StepResult | StepOutput:
+        model = self.model
+        try:
+            chunks, index = step_chunks(plan)
+            batch = build_step(chunks, self.block_size, model.device, fixed=model.batch_invariant)
+            if int(batch.positions.max()) >= model.config.max_position:
+                raise StepRefused(f"position {int(batch.positions.max())} is past the model's context")
+            pooled_at, counts = pooled_rows(plan, chunks) if plan.pooling else ([], [])
+        except (ValueError, StepRefused) as exc:
+            return StepResult(plan.number, refused=str(exc))
+        try:
+            if not counts:  # the plain step: every sequence's logits, the sampling rows' kept
+                logits = model.forward(batch, self.cache)
+                wanted = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+                return StepOutput(wanted.float().cpu() if index else None)
+            # Only the sampling rows go through the head: an embedding wants none.
+            device = batch.last_index.device
+            heads = batch.last_index.index_select(0, torch.tensor(index, dtype=torch.long, device=device))
+            logits, hidden = model.forward_hidden(batch, self.cache, heads, torch.tensor(pooled_at, dtype=torch.long, device=device))
+            return StepOutput(None if logits is None else logits.float().cpu(), fixed_point_sums(hidden.cpu(), counts))
+        except StepRefused as exc:
+            return StepResult(plan.number, refused=str(exc))
+        except Exception as exc:  # noqa: BLE001 - any fault mid-step may have half-written the cache
+            return StepResult(plan.number, fatal=f"{type(exc).__name__}: {exc}")
+
+    def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
+        """One token for each sampling row of ``plan`` from ``logits`` (its
+        rows, in order), a drafted row's kept tokens checked against its
+        draft. Guided rows' masks are filled here, right before the draw
+        (llguidance takes 10-30 microseconds a token per row; docs/guided.md).
+        Blocking."""
+        rows = plan.sampling
+        logits = logits[:, : self.vocab_size]  # ids past the tokenizer's name no token
+        samples, row_guides = sample_positions(rows)
+        masks = None
+        if self.guides is not None and any(g is not None for g in row_guides):
+            try:
+                masks = self.guides.fill_masks(row_guides)
+            except Exception as exc:  # noqa: BLE001 - the step fails its sampling rows with it
+                return StepResult(plan.number, failed=f"the output constraint failed: {exc}")
+        try:
+            picked = sample_rows(logits, samples, masks)
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails those rows
+            return StepResult(plan.number, failed=f"sampling failed: {type(exc).__name__}: {exc}")
+        return StepResult(plan.number, sampled=accept(rows, picked))
+
+
+def thread_governor(model) -> ThreadGovernor | None:
+    """A governor of the steps' CPU threads, up to torch's count now (the
+    cores the process may use, or --threads), for a CPU model whose bits do
+    not depend on them; else None (every step on that count)."""
+    most = torch.get_num_threads()
+    if model.device.type != "cpu" or most < 2 or not getattr(model.kernels, "thread_invariant", False):
+        return None
+    return ThreadGovernor(most)
+
+
+def step_chunks(plan: StepPlan) -> tuple[list[SeqChunk], list[int]]:
+    """The model's chunks for ``plan`` and, in the order of the plan's
+    sampling rows, the chunks whose logits are sampled. A row with a
+    speculative draft becomes one decode chunk per token, each with its own
+    logits: every position computes exactly what decoding it alone would."""
+    chunks: list[SeqChunk] = []
+    index: list[int] = []
+    for r in plan.rows:
+        if r.sample is not None and r.sample.draft:
+            for i, token in enumerate(r.token_ids):
+                index.append(len(chunks))
+                chunks.append(SeqChunk((token,), r.start + i, r.block_table, decode=True))
+            continue
+        if r.sample is not None:
+            index.append(len(chunks))
+        chunks.append(SeqChunk(r.token_ids, r.start, r.block_table, r.decode))
+    return chunks, index
+
+
+def pooled_rows(plan: StepPlan, chunks: list[SeqChunk]) -> tuple[list[int], list[int]]:
+    """For the plan's pooling rows, in order: the packed positions of the
+    tokens each pools (the last ``pool`` tokens of its chunk: a pooling row
+    is a prompt chunk, so one chunk), concatenated, and how many each has."""
+    positions: list[int] = []
+    counts: list[int] = []
+    k = at = 0  # the row's first chunk (step_chunks' order), and that chunk's packed position
+    for r in plan.rows:
+        became = chunks[k : k + (len(r.token_ids) if r.sample is not None and r.sample.draft else 1)]
+        if r.pool:
+            end = at + len(became[0].token_ids)
+            positions.extend(range(end - r.pool, end))
+            counts.append(r.pool)
+        k += len(became)
+        at += sum(len(c.token_ids) for c in became)
+    return positions, counts
+
+
+def fixed_point_sums(hidden: torch.Tensor, counts: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The rows of ``hidden`` (fp32), consecutive groups of ``counts``, each
+    group summed in fixed point (state/pooling.py): exact, so a group's sum
+    does not depend on how its prompt was cut into chunks."""
+    scaled = torch.nan_to_num(hidden.double(), nan=0.0) * float(1 << FRACTION_BITS)  # exact
+    fixed = scaled.round().clamp(-LIMIT, LIMIT).to(torch.int64)
+    out = []
+    for part in fixed.split(counts):
+        out.append(tuple(part.sum(0).tolist()))
+    return tuple(out)
+
+
+def sample_positions(rows: Sequence[PlanRow]) -> tuple[list[SampleRow], list]:
+    """One SampleRow (and guide) per logits row: a row with a speculative
+    draft has one per position, each drawing at the index and with the
+    history it would have if the draft so far were what was generated."""
+    samples: list[SampleRow] = []
+    row_guides: list = []
+    for r in rows:
+        s = r.sample
+        samples.append(s)
+        row_guides.append(r.guide)
+        per_token = 0 if s.params.greedy else 1
+        for i in range(1, len(s.draft) + 1):
+            history = tuple(s.history) + s.draft[:i] if s.params.penalized else ()
+            samples.append(attrs.evolve(s, draw_index=s.draw_index + i * per_token, history=history, draft=()))
+            row_guides.append(None)  # guided rows are never drafted (state/scheduling.py)
+    return samples, row_guides
+
+
+def accept(rows: Sequence[PlanRow], picked: Sequence[Sampled]) -> tuple[tuple[Sampled, ...], ...]:
+    """Each row's tokens from ``picked`` (one per position, in order): the
+    first, then each next one while the token before it equals the draft
+    token it was computed after. So a row keeps exactly the tokens plain
+    decoding would have given, one or more of them."""
+    out = []
+    k = 0
+    for r in rows:
+        draft = r.sample.draft
+        got = picked[k : k + 1 + len(draft)]
+        k += 1 + len(draft)
+        kept = [got[0]]
+        for i, token in enumerate(draft):
+            if got[i].token != token:
+                break
+            kept.append(got[i + 1])
+        out.append(tuple(kept))
+    return tuple(out)
