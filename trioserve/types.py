@@ -165,6 +165,16 @@ def fold_seed(seed: int) -> int:
     return seed % SEED_LIMIT
 
 
+class TextDecoder(Protocol):
+    """A request's token-to-text stream as the core sees it (implemented by
+    models.detokenizer.IncrementalDetokenizer): each token's text once it is
+    whole UTF-8, and at the end whatever it still holds."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 class Guide(Protocol):
     """One request's output constraint as the core sees it (implemented by
     models.guided.Guide): it takes each sampled token and says when nothing

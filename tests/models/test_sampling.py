@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from trioserve.errors import TrioserveError
-from trioserve.models.sampling import _processed, choose, new_seed, sample_rows, uniform
+from trioserve.kernels.logits import processed_logits
+from trioserve.models.sampling import choose, new_seed, sample_rows, uniform
 from trioserve.types import SampleRow, Sampled, SamplingError, SamplingParams
 
 # ---------------------------------------------------------------- the stream
@@ -259,13 +260,13 @@ def test_frequencies_match_probabilities() -> None:
 
 def _one(params: SamplingParams, history: list[int], logits: list[float]) -> list[float]:
     raw = torch.tensor([logits])
-    return _processed(raw, [SampleRow(params, seed=0, draw_index=0, history=history)])[0].tolist()
+    return processed_logits(raw, [SampleRow(params, seed=0, draw_index=0, history=history)])[0].tolist()
 
 
 def test_penalties_at_their_defaults_do_no_work() -> None:
     raw = torch.randn(4, 30)
     rows = [SampleRow(SamplingParams(temperature=0.7), seed=0, draw_index=0, history=[1, 2, 3])] * 4
-    assert _processed(raw, rows) is raw
+    assert processed_logits(raw, rows) is raw
 
 
 def test_repetition_divides_positive_and_multiplies_negative() -> None:

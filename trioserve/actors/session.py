@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -44,8 +44,11 @@ from trioserve.actors.messages import deliver
 from trioserve.errors import EngineClosed
 from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
 
-if TYPE_CHECKING:
-    from trioserve.engine import Engine
+class Engine(Protocol):
+    """What a session actor needs of the engine (trioserve.engine.Engine,
+    a layer above the actors): to settle the KV a turn retained."""
+
+    def settle_retained(self, owner: str, request_id: str, *, commit: bool) -> None: ...
 
 
 class TurnJob(Protocol):

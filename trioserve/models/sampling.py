@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trioserve.kernels.logits import best_logprobs, processed_logits
 from trioserve.models.guided import apply_masks
 from trioserve.types import Sampled, SampleRow, SamplingParams
 
@@ -82,7 +83,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Te
     raw = logits.detach().to(device="cpu", dtype=torch.float32)
     if raw.dim() != 2 or raw.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(raw.shape)} do not match {len(rows)} rows")
-    x = _processed(raw, rows)
+    x = processed_logits(raw, rows)
     if masks is not None:
         x = apply_masks(x, masks)
     tokens = [0] * len(rows)
@@ -117,43 +118,12 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Te
         for j, i in enumerate(wanted):
             logprobs[i] = chosen[j]
             if rows[i].params.top_logprobs:
-                tops[i] = _best(lp[j], rows[i].params.top_logprobs, best_values[j], best_ids[j])
+                tops[i] = best_logprobs(lp[j], rows[i].params.top_logprobs, best_values[j], best_ids[j])
     return [
         Sampled(token=tokens[i], draws=0 if row.params.greedy else 1, logprob=logprobs[i], top_logprobs=tops[i])
         for i, row in enumerate(rows)
     ]
 
-
-def _processed(raw: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Steps 1-3: the logits after bias and penalties; ``raw`` itself when no
-    row asks for either, otherwise a new tensor."""
-    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
-    penalized = [i for i, row in enumerate(rows) if row.params.penalized]
-    if not biased and not penalized:
-        return raw
-    x = raw.clone()
-    vocab = x.shape[1]
-    flat = x.view(-1)
-    if biased:
-        where = [i * vocab + token for i in biased for token, _ in rows[i].params.logit_bias]
-        bias = [b for i in biased for _, b in rows[i].params.logit_bias]
-        flat.index_add_(0, torch.tensor(where), torch.tensor(bias, dtype=torch.float32))
-    if penalized:
-        # Only the tokens a history holds change, so work on those alone: the
-        # distinct (row * V + id) of every penalized row, with their counts.
-        parts = []
-        for i in penalized:
-            ids = np.asarray(rows[i].history, dtype=np.int64).ravel()
-            parts.append(ids[(ids >= 0) & (ids < vocab)] + i * vocab)
-        where_t, counts = torch.unique(torch.from_numpy(np.concatenate(parts)), return_counts=True)
-        row_of = where_t // vocab
-        rep = torch.tensor([row.params.repetition_penalty for row in rows], dtype=torch.float32)[row_of]
-        presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=torch.float32)[row_of]
-        frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=torch.float32)[row_of]
-        seen = flat[where_t]
-        seen = torch.where(seen > 0, seen / rep, seen * rep) - presence - frequency * counts
-        flat[where_t] = seen
-    return x
 
 
 def _weights(x: torch.Tensor, params: Sequence[SamplingParams], *, owned: bool) -> torch.Tensor:
@@ -270,17 +240,3 @@ def _choose_rows(weights: torch.Tensor, us: Sequence[float]) -> list[int]:
         else:  # u * total rounded onto the end of the block (or of the row)
             picked[j] = int(torch.nonzero(weights[j, : picked[j] + _BLOCK]).max())
     return picked
-
-
-def _best(lp: torch.Tensor, n: int, values: list[float], ids: list[int]) -> tuple[tuple[int, float], ...]:
-    """The ``n`` best (id, logprob) of one row ``lp``, best first, ties by id;
-    ``values`` and ``ids`` are its largest entries, largest first, more than n
-    of them unless the row is shorter."""
-    n = min(n, lp.numel())
-    if n < len(values) and values[n] < values[n - 1]:
-        pairs = list(zip(ids[:n], values[:n], strict=True))
-    else:  # equal logprobs at the cut: take the lowest ids among them
-        ids_t = torch.nonzero(lp >= values[n - 1]).flatten()
-        pairs = list(zip(ids_t.tolist(), lp[ids_t].tolist(), strict=True))
-    pairs.sort(key=lambda pair: (-pair[1], pair[0]))
-    return tuple(pairs[:n])

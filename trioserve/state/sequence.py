@@ -5,15 +5,11 @@ Python; owned by the scheduler alone."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 import attrs
 
 from trioserve.state.stops import StopMatcher
-from trioserve.types import Guide, SamplingParams
-
-if TYPE_CHECKING:
-    from trioserve.models.detokenizer import IncrementalDetokenizer
+from trioserve.types import Guide, SamplingParams, TextDecoder
 
 
 @attrs.frozen
@@ -32,7 +28,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     stop_ids: Collection[int]
-    detokenizer: IncrementalDetokenizer
+    detokenizer: TextDecoder
     stops: StopMatcher
     arrival: float
     output_ids: list[int] = attrs.field(factory=list)

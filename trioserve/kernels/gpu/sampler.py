@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from trioserve.kernels.gpu.sampler_math import MAX_VOCAB, torch_order_sum, uniform
-from trioserve.models.sampling import _best, _processed
+from trioserve.kernels.logits import best_logprobs, processed_logits
 from trioserve.types import Sampled, SampleRow
 
 
@@ -370,7 +370,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Te
     raw = logits.detach().float()
     x = raw
     if any(row.params.logit_bias or row.params.penalized for row in rows):
-        x = _processed(raw.cpu(), rows).to(raw.device)
+        x = processed_logits(raw.cpu(), rows).to(raw.device)
     p = [row.params for row in rows]
     tokens = sample_tokens(
         x,
@@ -392,7 +392,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Te
             n = rows[i].params.top_logprobs
             if n:
                 values, ids = torch.topk(lp[j], min(n + 1, lp.shape[1]))
-                tops[i] = _best(lp[j], n, values.tolist(), ids.tolist())
+                tops[i] = best_logprobs(lp[j], n, values.tolist(), ids.tolist())
     return [
         Sampled(token=tokens[i], draws=0 if row.params.greedy else 1, logprob=logprobs[i], top_logprobs=tops[i])
         for i, row in enumerate(rows)
