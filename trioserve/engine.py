@@ -21,8 +21,7 @@ import torch
 import trio
 
 from trioserve.actors.device import DeviceThread, open_device_thread, release_openmp_threads
-from trioserve.actors.messages import Cancel, SampleRequest, SchedulerMessage, StepRequest, Submit
-from trioserve.actors.sampler import run_sampler
+from trioserve.actors.messages import Cancel, SchedulerMessage, StepRequest, Submit
 from trioserve.actors.scheduler import Scheduler, run_scheduler
 from trioserve.actors.worker import run_worker
 from trioserve.config import EngineConfig
@@ -289,15 +288,13 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
         writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings, model.kernels.activations, model.kv_dtype)
         core = Recording(core, writer)
     worker_send, worker_recv = trio.open_memory_channel[StepRequest](1)
-    sampler_send, sampler_recv = trio.open_memory_channel[SampleRequest](1)
     inbox_send, inbox_recv = trio.open_memory_channel[SchedulerMessage](config.channel_size)
     guides = GuideCompiler(checkpoint.tokenizer)
     runner = StepRunner(model, cache, vocab_size=checkpoint.tokenizer.vocab_size, guides=guides, governor=thread_governor(model))
     scheduler = Scheduler(core, worker_send)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_sampler, sampler_recv, runner, device)
-            await nursery.start(run_worker, runner, worker_recv, sampler_send, device)
+            await nursery.start(run_worker, runner, worker_recv, device)
             await nursery.start(run_scheduler, scheduler, inbox_recv)
             engine = Engine(
                 config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations

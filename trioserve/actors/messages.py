@@ -4,15 +4,10 @@ events) are the shared plain types of trioserve.types."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 import trio
 
 from trioserve.types import Event, GenerateRequest, StepPlan, StepResult
-
-if TYPE_CHECKING:
-    from trioserve.models.step_runner import StepOutput
 
 
 # -- scheduler inbox -----------------------------------------------------------
@@ -35,23 +30,9 @@ SchedulerMessage = Submit | Cancel
 # -- worker inbox --------------------------------------------------------------
 @attrs.frozen
 class StepRequest:
-    """Run ``plan``'s forward pass; its StepResult goes to ``reply`` (from
-    the sampler, or from the worker itself when nothing is sampled or the
-    step failed)."""
+    """Run ``plan`` (models/step_runner.py); its StepResult goes to ``reply``."""
 
     plan: StepPlan
-    reply: trio.MemorySendChannel[StepResult]
-
-
-# -- sampler inbox -------------------------------------------------------------
-@attrs.frozen
-class SampleRequest:
-    """What ``plan``'s forward pass gave (the logits of its sampling rows, in
-    order, and its pooling rows' sums), handed over by the worker; the
-    sampler replies to the scheduler."""
-
-    plan: StepPlan
-    out: StepOutput
     reply: trio.MemorySendChannel[StepResult]
 
 

@@ -5,7 +5,7 @@ It runs two tasks over one core. `intake` answers the inbox at once
 (accepting or refusing submissions, passing on cancellations) even while a
 step is running. `steps` loops: turn consumers that went away into
 cancellations; ask the core for the next plan; send it to the worker, whose
-logits go straight to the sampler, whose result comes back here; hand the
+step result comes back here; hand the
 result to the core; publish what it returns. Every call into the core
 carries the time read here, and every such call is the one boundary a
 recording sees (core/trace.py).

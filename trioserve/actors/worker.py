@@ -1,7 +1,13 @@
-"""The worker actor: runs one step's forward pass at a time through the
-model's StepRunner (models/step_runner.py, which owns the model and the KV
-cache tensors and says what a failed step means), in the device thread so
-the event loop stays responsive, and hands the logits to the sampler."""
+"""The worker actor: runs one step at a time through the model's
+StepRunner (models/step_runner.py, which owns the model and the KV cache
+tensors and says what a failed step means), whole -- forward pass, pooling,
+masks, draws, drafts checked -- in the device thread so the event loop stays
+responsive, and replies to the scheduler with its result.
+
+Sampling was once an actor of its own, fed the logits over a channel. With
+at most one plan in flight and both on the one device thread, that hop
+overlapped nothing; bench/README.md ("One step runner") has the
+measurement that retired it."""
 
 from __future__ import annotations
 
@@ -11,9 +17,8 @@ import time
 import trio
 
 from trioserve.actors.device import DeviceThread, run_blocking
-from trioserve.actors.messages import SampleRequest, StepRequest, deliver
+from trioserve.actors.messages import StepRequest, deliver
 from trioserve.models.step_runner import StepRunner
-from trioserve.types import StepResult
 
 
 # How often the worker hands freed heap memory back to the OS (seconds; 0: never).
@@ -64,28 +69,19 @@ def _malloc_trim():
 async def run_worker(
     runner: StepRunner,
     inbox: trio.MemoryReceiveChannel[StepRequest],
-    sampler: trio.MemorySendChannel[SampleRequest],
     device: DeviceThread | None = None,
     *,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve StepRequests from ``inbox`` until it closes. The logits of a
-    step go straight to the sampler, which replies to the channel the
-    request carries; a step that samples nothing or failed is answered here.
-    Steps run on ``device`` (actors/device.py; None: trio's worker threads).
+    """Serve StepRequests from ``inbox`` until it closes, each result to
+    the reply channel its request carries. Steps run on ``device`` (actors/device.py; None: trio's worker threads).
     Cancellation waits for a running step to return (threads cannot be
     interrupted), then ends the actor."""
     trimmer = HeapTrimmer()
     task_status.started()
     async with inbox:
         async for request in inbox:
-            plan = request.plan
-            out = await run_blocking(device, runner.forward, plan)
-            if isinstance(out, StepResult):
-                deliver(request.reply, out)  # False: the scheduler stopped waiting
-            elif not plan.sampling:
-                deliver(request.reply, runner.finish(plan, out))
-            else:
-                await sampler.send(SampleRequest(plan, out, request.reply))
-            if trimmer.due():  # while the sampler works on this step's logits
+            result = await run_blocking(device, runner.run, request.plan)
+            deliver(request.reply, result)  # False: the scheduler stopped waiting
+            if trimmer.due():  # between steps (~10 ms every 10 s)
                 await trio.to_thread.run_sync(trimmer.trim)

@@ -1,6 +1,6 @@
 """The sampling math: one step's logits in, one token per row out. Pure torch
-and Python, no trio; the sampler actor calls `sample_rows` from a worker
-thread.
+and Python, no trio; the step runner (models/step_runner.py) calls
+`sample_rows` in the device thread.
 
 Each row is processed in this order:
 

@@ -6,9 +6,9 @@ got right. It is synchronous and blocking: the worker actor calls it in its
 device thread (actors/worker.py), and replay calls it directly
 (core/replay.py), so both run exactly the same step.
 
-It is in two halves, `forward` (the forward pass and pooling) and `sample`
-(masks, draws, draft checks), only so that the engine can hand the second
-to another actor; `run` is the two in order.
+`run` is two halves in order: `forward` (the inputs, the forward pass and
+pooling: what benchmarks time on its own) and `finish` (masks, draws, draft
+checks).
 
 Failure semantics. A step refused before it runs (its inputs do not describe
 a valid step) fails only that step's requests: nothing was written. Any
