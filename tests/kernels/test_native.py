@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 
+from tests.kernels.rope_case import BLOCK_SIZE, MAX_POS, rope_case
 from tests.kernels.levels import at_levels, use_level
 from trioserve.kernels import native, reference
 from trioserve.models.step import SeqChunk, build_step
@@ -324,30 +325,18 @@ def test_rms_norm_matches_the_torch_twin_row_by_row(level, dtype, rows, n):
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 16)])
 @pytest.mark.parametrize(("rows", "real"), [(1, 1), (5, 3), (7, 7), (33, 33), (129, 120)])
 def test_rope_and_kv_write_are_bit_identical_to_the_torch_twin(level, dtype, heads, kv_heads, dim, rows, real):
-    gen = torch.Generator().manual_seed(rows + heads + dim)
-    block_size, num_blocks, max_pos = 16, 9, 200
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-    positions = torch.randint(0, max_pos, (rows,), generator=gen)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:real]
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), torch.rand(dim // 2, generator=gen, dtype=torch.float64))
-    cos, sin = angles.cos().float(), angles.sin().float()
-    caches = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype) for _ in range(2)]
-    want_k, want_v = (c.clone() for c in caches)
-    q_ref = qkv[:, : heads * dim].view(rows, heads, dim)
-    k_ref = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
-    v_ref = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
-    c, s = cos.index_select(0, positions), sin.index_select(0, positions)
-    want_q = reference.apply_rope(q_ref, c, s)
-    reference.write_kv(want_k, want_v, slots, reference.apply_rope(k_ref, c, s)[:real], v_ref[:real].contiguous())
-    got_k, got_v = caches
+    num_blocks = 9
+    case = rope_case(rows, real, heads, kv_heads, dim, dtype, dtype, num_blocks)
+    qkv, positions, cos, sin, slots = case.qkv, case.positions, case.cos, case.sin, case.slots
+    got_k, got_v = case.caches
     q = native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots, heads, kv_heads)
     assert q.dtype == dtype and q.shape == (rows, heads, dim)
-    assert torch.equal(q, want_q)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)  # pad rows stored nothing
+    assert torch.equal(q, case.want_q)
+    assert torch.equal(got_k, case.want_k) and torch.equal(got_v, case.want_v)  # pad rows stored nothing
     with pytest.raises(RuntimeError, match="out of range"):
-        native.rope_write_kv(qkv, positions + max_pos, cos, sin, got_k, got_v, slots, heads, kv_heads)
+        native.rope_write_kv(qkv, positions + MAX_POS, cos, sin, got_k, got_v, slots, heads, kv_heads)
     with pytest.raises(RuntimeError, match="out of range"):
-        native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots + num_blocks * block_size, heads, kv_heads)
+        native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots + num_blocks * BLOCK_SIZE, heads, kv_heads)
     with pytest.raises(RuntimeError, match="does not hold"):
         native.rope_write_kv(qkv, positions, cos, sin, got_k, got_v, slots, heads + 1, kv_heads)
 

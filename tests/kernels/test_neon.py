@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from tests.kernels.test_int6 import _raw as _raw6
+from tests.kernels.rope_case import BLOCK_SIZE, MAX_POS, rope_case
 from tests.kernels.test_native import TOLERANCE, _case, _prompt_case
 from tests.kernels.test_pack_layout import _f16_fields, _q4_tensor, _q6_tensor
 from trioserve.kernels import native, reference
@@ -410,26 +411,15 @@ def test_rope_and_the_kv_write_are_the_twins_bits(arm, tmp_path, kind):
     fp32 pool, refused."""
     dtype, pool = KINDS[kind]
     jobs, cases = Jobs(), []
+    num_blocks = 11
     for rows, real, (heads, kv_heads, dim) in zip(ROWS, [1, 5, 33, 100], [(9, 3, 64), (4, 4, 128), (8, 2, 16), (6, 2, 32)]):
-        gen = torch.Generator().manual_seed(rows + heads + dim)
-        block_size, num_blocks, max_pos = 16, 11, 200
-        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-        positions = torch.randint(0, max_pos, (rows,), generator=gen)
-        slots = torch.randperm(num_blocks * block_size, generator=gen)[:real]
-        angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), torch.rand(dim // 2, generator=gen, dtype=torch.float64))
-        cos, sin = angles.cos().float(), angles.sin().float()
-        caches = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(pool) for _ in range(2)]
-        want_k, want_v = (c.clone() for c in caches)
-        c, s = cos.index_select(0, positions), sin.index_select(0, positions)
-        want_q = reference.apply_rope(qkv[:, : heads * dim].view(rows, heads, dim), c, s)
-        k_ref = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
-        v_ref = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
-        reference.write_kv(want_k, want_v, slots, reference.apply_rope(k_ref, c, s)[:real], v_ref[:real].contiguous())
+        case = rope_case(rows, real, heads, kv_heads, dim, dtype, pool, num_blocks)
+        qkv, positions, cos, sin, caches, slots = case.qkv, case.positions, case.cos, case.sin, case.caches, case.slots
         args = (qkv, positions, cos, sin, *caches, slots, heads, kv_heads)
-        cases.append((_rope(jobs, *args), want_q, want_k, want_v))
+        cases.append((_rope(jobs, *args), case.want_q, case.want_k, case.want_v))
         if rows == 7:
-            refused = [_rope(jobs, qkv, positions + max_pos, *args[2:]),
-                       _rope(jobs, qkv, positions, cos, sin, *caches, slots + num_blocks * block_size, heads, kv_heads)]  # fmt: skip
+            refused = [_rope(jobs, qkv, positions + MAX_POS, *args[2:]),
+                       _rope(jobs, qkv, positions, cos, sin, *caches, slots + num_blocks * BLOCK_SIZE, heads, kv_heads)]  # fmt: skip
     mismatched = _rope(jobs, torch.zeros(1, 3 * 16, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64), torch.ones(4, 8), torch.zeros(4, 8),
                        torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16, 16), torch.zeros(1, dtype=torch.int64), 1, 1)  # fmt: skip
     done, _ = jobs.run(arm, tmp_path)
