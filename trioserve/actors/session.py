@@ -44,6 +44,7 @@ from trioserve.actors.messages import deliver
 from trioserve.errors import EngineClosed
 from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
 
+
 class Engine(Protocol):
     """What a session actor needs of the engine (trioserve.engine.Engine,
     a layer above the actors): to settle the KV a turn retained."""

@@ -74,8 +74,8 @@ async def run_worker(
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve StepRequests from ``inbox`` until it closes, each result to
-    the reply channel its request carries. Steps run on ``device`` (actors/device.py; None: trio's worker threads).
-    Cancellation waits for a running step to return (threads cannot be
+    the reply channel its request carries. Steps run on ``device``
+    (actors/device.py; None: trio's worker threads). Cancellation waits for a running step to return (threads cannot be
     interrupted), then ends the actor."""
     trimmer = HeapTrimmer()
     task_status.started()
