@@ -1,5 +1,7 @@
 """Settings, as frozen attrs records. Validation happens here, once, so every
-later component can trust the numbers."""
+later component can trust the numbers. Each option's default, choices and
+TRIOSERVE_* variable are declared once, in trioserve/options.py; the fields
+below take them from there."""
 
 from __future__ import annotations
 
@@ -8,9 +10,31 @@ from collections.abc import Mapping
 
 import attrs
 
-MIB = 1 << 20
-# --dtype values; "auto" is bfloat16 (trioserve.kernels.cpu.DTYPES maps them to torch).
-DTYPE_NAMES = ("auto", "bfloat16", "float32", "float16")
+from trioserve.options import (  # the choices and parsers are named here too, where callers look for them
+    ACTIVATION_CHOICES,
+    DTYPE_NAMES,
+    EMBEDDING_POOLING,
+    KERNEL_CHOICES,
+    KV_CACHE_DTYPES,
+    MIB,
+    OPTIONS,
+    SPECULATIVE_MODES,
+    UNSET,
+    check_choice,
+    env_value,
+    flag_or_env,
+    option,
+    parse_byte_size,
+    parse_size_or_auto,
+)
+from trioserve.options import parse_flag as _flag
+
+__all__ = [
+    "ACTIVATION_CHOICES", "DTYPE_NAMES", "EMBEDDING_POOLING", "KERNEL_CHOICES", "KV_CACHE_DTYPES", "MIB", "SPECULATIVE_MODES",
+    "EngineConfig", "ServerSettings", "check_choice", "parse_byte_size", "parse_size_or_auto", "settings_from_env",
+    "activations_setting", "batch_invariant_setting", "kernels_setting", "kv_cache_dtype_setting", "kv_huge_pages_setting",
+    "CPU_FEATURES_ENV", "CPU_FEATURE_LEVELS", "cpu_features_setting", "NATIVE_KERNELS_ENV", "native_kernels_setting",
+]  # fmt: skip
 
 
 def _positive(instance, attribute, value) -> None:
@@ -28,16 +52,15 @@ def _seconds(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
 
-SPECULATIVE_MODES = ("off", "ngram")
-KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (kernels/ops.py)
-# How the 4-bit projections take their inputs (kernels/ops.py
-# `select_kernels`, kernels/int4.py `Projection`): bf16, or int8 per block of
-# 32 (faster, less exact: docs/kernels.md); auto is int8 where its C kernel
-# runs (AVX-512 VNNI), else bf16. The first is the default.
-ACTIVATION_CHOICES = ("auto", "bf16", "int8")
-# The KV pool's dtype: auto is the weights'; a float32 model on a CPU may keep a bfloat16 pool.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
-EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
+def _setting(field: str, validator=None):
+    """The attrs field of option ``field`` (trioserve/options.py): its
+    default, a check of its choices where it has some, then ``validator``;
+    the option rides along as the field's metadata["option"]."""
+    opt = option(field)
+    checks = [validator] if validator else []
+    if opt.choices:
+        checks.insert(0, lambda instance, attribute, value: check_choice(field, value))
+    return attrs.field(default=opt.default, validator=checks or None, metadata={"option": opt})
 
 
 @attrs.frozen
@@ -81,34 +104,34 @@ class EngineConfig:
     ~1.7x faster projections at 32 rows, greedy replies further from the
     exact model's; needs AVX-512 VNNI, AVX2 or NEON dotprod; docs/kernels.md)."""
 
-    model: str = "smollm2"
-    dtype: str = "auto"
-    device: str = "cpu"
+    model: str = _setting("engine.model")
+    dtype: str = _setting("engine.dtype")
+    device: str = _setting("engine.device")
     use_int4: bool = True
-    batch_invariant: bool = True
-    max_num_seqs: int = attrs.field(default=32, validator=_positive)
-    max_model_len: int | None = attrs.field(default=None, validator=_positive)
-    kv_cache_bytes: int = attrs.field(default=512 * MIB, validator=_positive)
-    kv_huge_pages: bool = False
-    kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
+    batch_invariant: bool = _setting("engine.batch_invariant")
+    max_num_seqs: int = _setting("engine.max_num_seqs", _positive)
+    max_model_len: int | None = _setting("engine.max_model_len", _positive)
+    kv_cache_bytes: int = _setting("engine.kv_cache_bytes", _positive)
+    kv_huge_pages: bool = _setting("engine.kv_huge_pages")
+    kv_cache_dtype: str = _setting("engine.kv_cache_dtype")
     block_size: int = attrs.field(default=16, validator=_positive)
-    prefill_budget: int = attrs.field(default=512, validator=_positive)
-    max_step_ms: float = attrs.field(default=0.0, validator=_milliseconds)
-    max_queue: int = attrs.field(default=256, validator=_positive)
+    prefill_budget: int = _setting("engine.prefill_budget", _positive)
+    max_step_ms: float = _setting("engine.max_step_ms", _milliseconds)
+    max_queue: int = _setting("engine.max_queue", _positive)
     channel_size: int = attrs.field(default=64, validator=_positive)
     retry_after_s: float = 1.0
-    prefix_cache: bool = True
-    prefix_cache_max_blocks: int | None = attrs.field(default=None, validator=_positive)
-    prefix_cache_max_bytes: int | None = attrs.field(default=None, validator=_positive)
-    prefix_cache_idle_s: float | None = attrs.field(default=None, validator=_positive)
-    record_dir: str | None = None  # write a trace of the run there (docs/replay.md)
+    prefix_cache: bool = _setting("engine.prefix_cache")
+    prefix_cache_max_blocks: int | None = _setting("engine.prefix_cache_max_blocks", _positive)
+    prefix_cache_max_bytes: int | None = _setting("engine.prefix_cache_max_bytes", _positive)
+    prefix_cache_idle_s: float | None = _setting("engine.prefix_cache_idle_s", _positive)
+    record_dir: str | None = _setting("engine.record_dir")  # write a trace of the run there (docs/replay.md)
     # Speculative decoding: "off", or "ngram" (prompt-lookup drafts of up to
     # speculative_tokens tokens, checked in the same step; outputs unchanged).
-    speculative: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
-    speculative_tokens: int = attrs.field(default=4, validator=_positive)
-    embedding_pooling: str = attrs.field(default=EMBEDDING_POOLING[0], validator=attrs.validators.in_(EMBEDDING_POOLING))
-    kernels: str = attrs.field(default=KERNEL_CHOICES[0], validator=attrs.validators.in_(KERNEL_CHOICES))
-    activations: str = attrs.field(default=ACTIVATION_CHOICES[0], validator=attrs.validators.in_(ACTIVATION_CHOICES))
+    speculative: str = _setting("engine.speculative")
+    speculative_tokens: int = _setting("engine.speculative_tokens", _positive)
+    embedding_pooling: str = _setting("engine.embedding_pooling")
+    kernels: str = _setting("engine.kernels")
+    activations: str = _setting("engine.activations")
 
     @property
     def draft_tokens(self) -> int:
@@ -151,76 +174,55 @@ class ServerSettings:
     "off", or "auto" (on when the tokenizer has <think> as one token)."""
 
     engine: EngineConfig = EngineConfig()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_body_bytes: int = attrs.field(default=4 * MIB, validator=_positive)
-    drain_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
-    write_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
-    keep_alive_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
-    read_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
-    send_buffer_bytes: int | None = attrs.field(default=64 * 1024, validator=_positive)
-    default_max_tokens: int = attrs.field(default=2048, validator=_positive)
-    max_sessions: int = attrs.field(default=1024, validator=_positive)
-    session_idle_s: float | None = attrs.field(default=3600.0, validator=_positive)
-    session_history_bytes: int | None = attrs.field(default=64 * MIB, validator=_positive)
-    reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
-    allow_special_in_prompt: bool = False
-    log_level: str = "info"
+    host: str = _setting("host")
+    port: int = _setting("port")
+    served_model_name: str | None = _setting("served_model_name")
+    api_key: str | None = _setting("api_key")
+    max_body_bytes: int = _setting("max_body_bytes", _positive)
+    drain_timeout_s: float = _setting("drain_timeout_s", _seconds)
+    write_timeout_s: float = _setting("write_timeout_s", _seconds)
+    keep_alive_timeout_s: float = _setting("keep_alive_timeout_s", _seconds)
+    read_timeout_s: float = _setting("read_timeout_s", _seconds)
+    send_buffer_bytes: int | None = _setting("send_buffer_bytes", _positive)
+    default_max_tokens: int = _setting("default_max_tokens", _positive)
+    max_sessions: int = _setting("max_sessions", _positive)
+    session_idle_s: float | None = _setting("session_idle_s", _positive)
+    session_history_bytes: int | None = _setting("session_history_bytes", _positive)
+    reasoning_parser: str = _setting("reasoning_parser")
+    allow_special_in_prompt: bool = _setting("allow_special_in_prompt")
+    log_level: str = _setting("log_level")
 
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+def _flag_or_env(field: str, flag, environ: Mapping[str, str]):
+    """A `serve` flag's value when given (not None), else its variable's,
+    else the option's default; a bad variable is a ValueError naming it."""
+    return flag_or_env(option(field), flag, environ)
 
 
-def parse_byte_size(text: str) -> int:
-    """'512MiB', '2GiB', '1000000' -> bytes; ValueError otherwise."""
-    number = text.strip().rstrip("BbKkMmGgIi")
-    unit = text.strip()[len(number) :].lower()
-    try:
-        value = int(float(number) * _UNITS[unit])
-    except (ValueError, KeyError):
-        raise ValueError(f"must be a size like 512MiB or 2GiB, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"must be positive, got {text!r}")
-    return value
-
-
-def parse_size_or_auto(text: str) -> int | None:
-    """'auto' -> None (the kernel's choice); otherwise parse_byte_size."""
-    return None if text.strip().lower() == "auto" else parse_byte_size(text)
-
-
-def _flag(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"must be true or false, got {text!r}")
-
-
-def batch_invariant_setting(flag: bool | None, environ: dict[str, str]) -> bool:
+def batch_invariant_setting(flag: bool | None, environ: Mapping[str, str]) -> bool:
     """--batch-invariant / --no-batch-invariant when given, else
     $TRIOSERVE_BATCH_INVARIANT, else on."""
-    return _flag_setting(flag, environ, "TRIOSERVE_BATCH_INVARIANT", attrs.fields(EngineConfig).batch_invariant.default)
+    return _flag_or_env("engine.batch_invariant", flag, environ)
 
 
-def kv_huge_pages_setting(flag: bool | None, environ: dict[str, str]) -> bool:
+def kv_huge_pages_setting(flag: bool | None, environ: Mapping[str, str]) -> bool:
     """--kv-huge-pages when given, else $TRIOSERVE_KV_HUGE_PAGES, else off."""
-    return _flag_setting(flag, environ, "TRIOSERVE_KV_HUGE_PAGES", attrs.fields(EngineConfig).kv_huge_pages.default)
+    return _flag_or_env("engine.kv_huge_pages", flag, environ)
 
 
-def _flag_setting(flag: bool | None, environ: dict[str, str], var: str, default: bool) -> bool:
-    if flag is not None:
-        return flag
-    text = environ.get(var)
-    if text is None:
-        return default
-    try:
-        return _flag(text)
-    except ValueError as exc:
-        raise ValueError(f"{var}: {exc}") from None
+def kernels_setting(environ: Mapping[str, str]) -> str:
+    """$TRIOSERVE_KERNELS, or the default; a bad value is a ValueError naming it."""
+    return _flag_or_env("engine.kernels", None, environ)
+
+
+def kv_cache_dtype_setting(environ: Mapping[str, str]) -> str:
+    """$TRIOSERVE_KV_CACHE_DTYPE, or the default; a bad value is a ValueError naming it."""
+    return _flag_or_env("engine.kv_cache_dtype", None, environ)
+
+
+def activations_setting(environ: Mapping[str, str]) -> str:
+    """$TRIOSERVE_ACTIVATIONS, or the default; a bad value is a ValueError naming it."""
+    return _flag_or_env("engine.activations", None, environ)
 
 
 NATIVE_KERNELS_ENV = "TRIOSERVE_NATIVE_KERNELS"
@@ -259,89 +261,6 @@ def cpu_features_setting(environ: Mapping[str, str]) -> str:
     return text
 
 
-def _one_of(choices: tuple[str, ...]):
-    """A parser of a variable that must be one of ``choices``."""
-
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
-        return text
-
-    return parse
-
-
-_speculative, _kernels, _pooling = _one_of(SPECULATIVE_MODES), _one_of(KERNEL_CHOICES), _one_of(EMBEDDING_POOLING)
-_activations, _kv_dtype = _one_of(ACTIVATION_CHOICES), _one_of(KV_CACHE_DTYPES)
-
-
-def _choice_setting(environ: Mapping[str, str], var: str, choices: tuple[str, ...]) -> str:
-    """$var, one of ``choices``, or the first of them when unset; a bad
-    value is a ValueError naming the variable."""
-    text = environ.get(var)
-    if not text:
-        return choices[0]
-    try:
-        return _one_of(choices)(text)
-    except ValueError as exc:
-        raise ValueError(f"{var}: {exc}") from None
-
-
-def kernels_setting(environ: Mapping[str, str]) -> str:
-    """$TRIOSERVE_KERNELS, or the default; a bad value is a ValueError naming it."""
-    return _choice_setting(environ, "TRIOSERVE_KERNELS", KERNEL_CHOICES)
-
-
-def kv_cache_dtype_setting(environ: Mapping[str, str]) -> str:
-    """$TRIOSERVE_KV_CACHE_DTYPE, or the default; a bad value is a ValueError naming it."""
-    return _choice_setting(environ, "TRIOSERVE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
-
-
-def activations_setting(environ: Mapping[str, str]) -> str:
-    """$TRIOSERVE_ACTIVATIONS, or the default; a bad value is a ValueError naming it."""
-    return _choice_setting(environ, "TRIOSERVE_ACTIVATIONS", ACTIVATION_CHOICES)
-
-
-# TRIOSERVE_* variable -> (settings field, parser); engine fields are prefixed "engine.".
-_ENV = {
-    "TRIOSERVE_MODEL": ("engine.model", str),
-    "TRIOSERVE_DTYPE": ("engine.dtype", str),
-    "TRIOSERVE_DEVICE": ("engine.device", str),
-    "TRIOSERVE_MAX_NUM_SEQS": ("engine.max_num_seqs", int),
-    "TRIOSERVE_MAX_MODEL_LEN": ("engine.max_model_len", int),
-    "TRIOSERVE_KV_CACHE_BYTES": ("engine.kv_cache_bytes", parse_byte_size),
-    "TRIOSERVE_KV_HUGE_PAGES": ("engine.kv_huge_pages", _flag),
-    "TRIOSERVE_KV_CACHE_DTYPE": ("engine.kv_cache_dtype", _kv_dtype),
-    "TRIOSERVE_MAX_QUEUE": ("engine.max_queue", int),
-    "TRIOSERVE_PREFILL_BUDGET": ("engine.prefill_budget", int),
-    "TRIOSERVE_MAX_STEP_MS": ("engine.max_step_ms", float),
-    "TRIOSERVE_PREFIX_CACHE": ("engine.prefix_cache", _flag),
-    "TRIOSERVE_PREFIX_CACHE_MAX_BLOCKS": ("engine.prefix_cache_max_blocks", int),
-    "TRIOSERVE_PREFIX_CACHE_BYTES": ("engine.prefix_cache_max_bytes", parse_byte_size),
-    "TRIOSERVE_PREFIX_CACHE_IDLE": ("engine.prefix_cache_idle_s", float),
-    "TRIOSERVE_RECORD": ("engine.record_dir", str),
-    "TRIOSERVE_BATCH_INVARIANT": ("engine.batch_invariant", _flag),
-    "TRIOSERVE_SPECULATIVE": ("engine.speculative", _speculative),
-    "TRIOSERVE_SPECULATIVE_TOKENS": ("engine.speculative_tokens", int),
-    "TRIOSERVE_EMBEDDING_POOLING": ("engine.embedding_pooling", _pooling),
-    "TRIOSERVE_KERNELS": ("engine.kernels", _kernels),
-    "TRIOSERVE_ACTIVATIONS": ("engine.activations", _activations),
-    "TRIOSERVE_SERVED_MODEL_NAME": ("served_model_name", str),
-    "TRIOSERVE_API_KEY": ("api_key", str),
-    "TRIOSERVE_MAX_BODY_BYTES": ("max_body_bytes", parse_byte_size),
-    "TRIOSERVE_DRAIN_TIMEOUT": ("drain_timeout_s", float),
-    "TRIOSERVE_WRITE_TIMEOUT": ("write_timeout_s", float),
-    "TRIOSERVE_KEEP_ALIVE_TIMEOUT": ("keep_alive_timeout_s", float),
-    "TRIOSERVE_READ_TIMEOUT": ("read_timeout_s", float),
-    "TRIOSERVE_SEND_BUFFER_BYTES": ("send_buffer_bytes", parse_size_or_auto),
-    "TRIOSERVE_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
-    "TRIOSERVE_MAX_SESSIONS": ("max_sessions", int),
-    "TRIOSERVE_REASONING_PARSER": ("reasoning_parser", str),
-    "TRIOSERVE_ALLOW_SPECIAL_IN_PROMPT": ("allow_special_in_prompt", _flag),
-    "TRIOSERVE_SESSION_IDLE": ("session_idle_s", float),
-    "TRIOSERVE_SESSION_HISTORY_BYTES": ("session_history_bytes", parse_byte_size),
-}
-
-
 def settings_from_env(environ: dict[str, str]) -> ServerSettings:
     """ServerSettings from TRIOSERVE_* variables (for `hypercorn -k trio
     'trioserve.http.app:create_app()'`). A bad value is a ValueError naming
@@ -349,17 +268,10 @@ def settings_from_env(environ: dict[str, str]) -> ServerSettings:
     native_kernels_setting(environ)  # read by kernels/native.py; a bad value stops here, by name
     engine: dict = {}
     server: dict = {}
-    for var, (field, parse) in _ENV.items():
-        if var not in environ:
-            continue
-        try:
-            value = parse(environ[var])
-        except ValueError as exc:
-            raise ValueError(f"{var}: {exc}") from None
-        if field.startswith("engine."):
-            engine[field.removeprefix("engine.")] = value
-        else:
-            server[field] = value
+    for opt in OPTIONS:  # those with a variable (trioserve/options.py); unset or empty ones are left to the default
+        value = env_value(opt, environ)
+        if value is not UNSET:
+            (engine if opt.field.startswith("engine.") else server)[opt.name] = value
     try:
         return ServerSettings(engine=EngineConfig(**engine), **server)
     except (TypeError, ValueError) as exc:

@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from trioserve.config import ACTIVATION_CHOICES, KERNEL_CHOICES
+from trioserve.config import check_choice
 from trioserve.kernels import reference
 from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection
 
@@ -226,10 +226,8 @@ def select_kernels(
     ValueError, saying why, for triton where it cannot run, and for int8
     activations where neither the C kernel for them runs nor the reference
     set (their torch twin, the oracle: too slow to serve) was asked for."""
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
-    if activations not in ACTIVATION_CHOICES:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}")
+    check_choice("engine.kernels", choice)  # the settings' own check (trioserve/options.py), for callers without an EngineConfig
+    check_choice("engine.activations", activations)
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         if device.type != "cuda" and not _interpreted():
             raise ValueError(f"--kernels triton needs a CUDA device (this model is on {device.type}); TRITON_INTERPRET=1 runs them on a CPU, very slowly, for tests")
