@@ -25,7 +25,8 @@ from tests.http.conftest import MODEL_NAME, make_settings, start_server, usage_t
 from tests.tiny_model import set_gguf_u32
 from trioserve import cli
 from trioserve.config import EngineConfig
-from trioserve.http.schemas import parse_chat_request, sampling_params
+from trioserve.http.edge import sampling_params
+from trioserve.http.schemas import parse_chat_request
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.types import SamplingParams
 

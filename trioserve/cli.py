@@ -170,7 +170,8 @@ def _generate(args: argparse.Namespace) -> int:
     import trio
 
     from trioserve.kernels.cpu import resolve_dtype
-    from trioserve.http.schemas import parse_chat_request, sampling_params
+    from trioserve.http.edge import sampling_params
+    from trioserve.http.schemas import parse_chat_request
     from trioserve.models.checkpoint import load_checkpoint
     from trioserve.progress import ProgressBar
 

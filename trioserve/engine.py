@@ -141,6 +141,14 @@ class Generation:
         self.stream = _EventStream(events)
 
     async def __aenter__(self) -> _EventStream:
+        return await self.submit()
+
+    async def submit(self) -> _EventStream:
+        """Submit the request and wait for the scheduler's answer: its
+        events, or the refusal raised (everything let go then). Once
+        submitted, `close()` (or leaving the context) must end it: for a
+        caller that hands the events on, e.g. to a response body that will
+        close it in a ``finally``."""
         try:
             try:
                 await self._inbox.send(Submit(self.request_id, self.request, self._events_send, self._reply_send))

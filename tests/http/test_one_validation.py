@@ -16,7 +16,8 @@ import trio
 from tests.http.conftest import MODEL_NAME
 from trioserve.errors import RequestError
 from trioserve.http.errors import to_response
-from trioserve.http.schemas import parse_chat_request, parse_completion_request, sampling_params
+from trioserve.http.edge import sampling_params
+from trioserve.http.schemas import parse_chat_request, parse_completion_request
 from trioserve.types import RANGES, Range, SamplingError, SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]

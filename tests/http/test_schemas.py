@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trioserve.errors import RequestError
+from trioserve.http.edge import sampling_params
 from trioserve.http.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -16,7 +17,6 @@ from trioserve.http.schemas import (
     make_converter,
     parse_chat_request,
     parse_completion_request,
-    sampling_params,
 )
 from trioserve.types import SamplingParams
 

@@ -53,16 +53,20 @@ class Engine(Protocol):
 
 
 class TurnJob(Protocol):
-    """One turn's generation, as the HTTP layer builds it (its Connection)."""
+    """One turn's generation, as the HTTP layer builds it (its Connection,
+    made with the ``on_final`` the actor gives ``prepare``: called with the
+    final choice right before the final response is made)."""
 
-    request_id: str  # the engine request whose KV is kept for the session
-    on_final: Callable[[Any], None] | None  # called with the final choice right before the final response is made
+    @property
+    def request_id(self) -> str:
+        """The engine request whose KV is kept for the session."""
+        ...
 
     async def collect(self) -> object:
         """The whole answer (a JSON body, or an error response)."""
         ...
 
-    async def open_stream(self, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    async def open_stream(self) -> AsyncGenerator[bytes, None]:
         """Submit; raise the refusal, or give the stream's chunks."""
         ...
 
@@ -73,10 +77,9 @@ class RunTurn:
     """Run the pinned session's turn; what it produces goes to ``replies``
     (whose send end the actor then owns and closes)."""
 
-    prepare: Callable[[Session], Awaitable[TurnJob]]  # builds the generation from the pinned session
+    prepare: Callable[[Session, Callable[[Any], None]], Awaitable[TurnJob]]  # the generation, from the pinned session and the commit hook
     outcome: Callable[[Any], Turn]  # what the turn adds, from its final choice
     stream: bool
-    include_usage: bool
     replies: trio.MemorySendChannel[TurnOutput]  # bound 1: one output per RunTurn or Pull
 
 
@@ -176,20 +179,19 @@ class SessionActor:
     async def _produce(self, order: RunTurn) -> None:
         replies = order.replies
         try:
-            job = await order.prepare(self.session)
+            job = await order.prepare(self.session, lambda choice: self._commit(order, choice))
         except Exception as exc:  # noqa: BLE001 - a bad request: nothing was submitted
             self._settle()
             deliver(replies, Failed(exc))
             return
         self.request_id = job.request_id
-        job.on_final = lambda choice: self._commit(order, choice)
         if not order.stream:
             answer = await job.collect()
             self._settle()  # after a commit, nothing; otherwise the turn failed (its answer says why)
             deliver(replies, Answer(answer))
             return
         try:
-            body = await job.open_stream(order.include_usage)
+            body = await job.open_stream()
         except Exception as exc:  # noqa: BLE001 - refused (queue full, too long): an ordinary error response
             self._settle()
             deliver(replies, Failed(exc))

@@ -38,6 +38,7 @@ from cattrs.errors import BaseValidationError
 from quart import Response
 
 from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
+from trioserve.http.edge import ServerState, check_model, read_body
 from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.schemas import _field, _got, _Invalid, _is_int, _Nested, _raise_request_error, _record_hook, _token_ids, make_converter
 from trioserve.http.tools import off_loop
@@ -206,15 +207,14 @@ def response_body(finals: Sequence[FinalEvent], encoding: str, model: str) -> st
     return '{"object": "list", "data": [' + ", ".join(items) + "], " + tail[1:]
 
 
-def add_embedding_routes(app, state, body_reader, check_model) -> None:
-    """Register POST /v1/embeddings on ``app``. ``body_reader()`` gives the
-    decoded JSON body; ``check_model(state, name)`` refuses another model."""
+def add_embedding_routes(app, state: ServerState) -> None:
+    """Register POST /v1/embeddings on ``app``."""
 
     @app.route("/v1/embeddings", methods=["POST"])
     async def embeddings() -> Response:
         try:
             engine = state.ready()
-            req = await off_loop(parse_embedding_request, await body_reader())
+            req = await off_loop(parse_embedding_request, await read_body(state))
             check_model(state, req.model)
             check_dimensions(req.dimensions, engine.hidden_size)
             prompts = await off_loop(prompt_ids, engine, req.input, input_limit(engine))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import attrs
@@ -42,13 +41,15 @@ from quart import Response
 
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
-from trioserve.http.connection import Connection, _entered
+from trioserve.http.connection import Connection
+from trioserve.http.edge import ServerState, check_model, default_max_tokens, output_parsing, read_body, sampling_params
 from trioserve.http.errors import HTTPError, error_response, json_response
-from trioserve.http.schemas import ChatCompletionRequest, _got, _short, parse_chat_request, sampling_params
+from trioserve.http.job import GenerationJob, Prompt
+from trioserve.http.schemas import ChatCompletionRequest, _got, _short, parse_chat_request
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.models.output_parser import Delta
 from trioserve.state.session_store import SessionNotFound, SessionStore
-from trioserve.types import FinalEvent
+from trioserve.types import Event, FinalEvent
 
 # Chat fields a Responses request may send as they are: OpenAI's own, and
 # this server's sampling extensions (as on /v1/chat/completions).
@@ -507,40 +508,38 @@ def usage_body(prompt_tokens: int, output_tokens: int, cached_tokens: int, reaso
     }
 
 
-class ResponseJob(Connection):
-    """One Responses request: one choice of the chat request it means,
-    rendered as a response object or its stream of events, and kept in
-    ``store`` when asked (with the whole ``conversation`` it continues)."""
+class ResponseRender:
+    """One Responses request's job rendered as a response object or its
+    stream of events, and kept in ``store`` when asked (with the whole
+    conversation it continues: ``history``)."""
 
-    def __init__(self, state, engine, req: ResponsesRequest, prompt_ids, params, store: SessionStore, history: list[dict[str, Any]]):
-        super().__init__(state, engine, "chat", prompt_ids, params, 1, False, prompt_text="", echo=False)
-        self.id = _item_id("resp")
-        self.request_id = f"{self.id}-0"
+    def __init__(self, conn: Connection, req: ResponsesRequest, store: SessionStore, history: list[dict[str, Any]]) -> None:
+        self.conn = conn
+        self.job = conn.job
         self.req = req
         self.store = store
         self.history = history  # the earlier responses' conversation, then this input
         self.output = OutputItems()
         self.sequence = 0
 
-    async def _run_choice(self, index: int, choice: openai.Choice) -> None:
-        async with aclosing(self.engine.generate(self._request(index))) as events:
-            async for event in events:
-                for delta in choice.add(event):
-                    self.output.feed(delta)
+    def seen(self, choice: openai.Choice, deltas: list) -> None:
+        for delta in deltas:
+            self.output.feed(delta)
 
     def resource(self, status: str, choice: openai.Choice | None = None, error: dict | None = None) -> dict[str, Any]:
         """The response object: in progress (no ``choice`` yet), or ended."""
-        req, params = self.req, self.params
+        req, job = self.req, self.job
+        params = job.prompts[0].params
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         usage = None
         if choice is not None and choice.final is not None:
             final = choice.final
-            usage = usage_body(len(self.prompt_ids), final.usage.completion_tokens, final.usage.cached_tokens, choice.reasoning_tokens)
+            usage = usage_body(job.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens, choice.reasoning_tokens)
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "id": job.id, "object": "response", "created_at": job.created, "status": status,
             "background": False, "error": error, "incomplete_details": incomplete,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "metadata": req.metadata, "model": self.model,
+            "metadata": req.metadata, "model": job.model,
             "output": [dict(item) for item in self.output.items] if status != "in_progress" else [],
             "parallel_tool_calls": req.chat.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": req.store,
@@ -558,7 +557,7 @@ class ResponseJob(Connection):
         body = self.resource(self._status(choice), choice)
         if self.req.store:
             self.store.create(
-                trio.current_time(), created=self.created, session_id=self.id,
+                trio.current_time(), created=self.job.created, session_id=self.job.id,
                 messages=[*self.history, *as_history(self.output.as_input())], record=body,
             )  # fmt: skip
         return body
@@ -568,10 +567,7 @@ class ResponseJob(Connection):
             exc = _responses_field(exc, [])
         return error_response(exc)
 
-    async def collect(self) -> Response:
-        choices = await self.finished_choices()
-        if isinstance(choices, Response):
-            return choices
+    def body(self, choices: list[openai.Choice]) -> Response:
         self.output.finish(self._status(choices[0]))
         return json_response(self._kept(choices[0]))
 
@@ -580,34 +576,33 @@ class ResponseJob(Connection):
         self.sequence += 1
         return f"event: {payload['type']}\n".encode() + openai.sse(payload)
 
-    async def _sse(self, first, events, include_usage: bool) -> AsyncIterator[bytes]:
+    async def chunks(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         """The response's events: created, in progress, each output item as
         it grows, then completed (or incomplete, or failed)."""
-        async with _entered(first):
-            yield self._event({"type": "response.created", "response": self.resource("in_progress")})
-            yield self._event({"type": "response.in_progress", "response": self.resource("in_progress")})
-            choice = self._choice(0)
-            async for event in events:
-                deltas = choice.add(event)
-                for delta in deltas:
-                    for payload in self.output.feed(delta):
-                        yield self._event(payload)
-                if not isinstance(event, FinalEvent):
-                    continue
-                if event.finish_reason == "error":
-                    failure = self.failure(event)
-                    error = {"code": failure.code or "server_error", "message": str(failure)}
-                    self.output.finish("incomplete")
-                    yield self._event({"type": "response.failed", "response": self.resource("failed", choice, error)})
-                    return
-                closing = self.output.finish(self._status(choice))
-                body = self._kept(choice)
-                for payload in closing:
+        yield self._event({"type": "response.created", "response": self.resource("in_progress")})
+        yield self._event({"type": "response.in_progress", "response": self.resource("in_progress")})
+        choice = self.conn.choice(0)
+        async for event in events:
+            deltas = choice.add(event)
+            for delta in deltas:
+                for payload in self.output.feed(delta):
                     yield self._event(payload)
-                yield self._event({"type": f"response.{body['status']}", "response": body})
+            if not isinstance(event, FinalEvent):
+                continue
+            if event.finish_reason == "error":
+                failure = self.conn.failure(event)
+                error = {"code": failure.code or "server_error", "message": str(failure)}
+                self.output.finish("incomplete")
+                yield self._event({"type": "response.failed", "response": self.resource("failed", choice, error)})
+                return
+            closing = self.output.finish(self._status(choice))
+            body = self._kept(choice)
+            for payload in closing:
+                yield self._event(payload)
+            yield self._event({"type": f"response.{body['status']}", "response": body})
 
 
-def add_response_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
+def add_response_routes(app, state: ServerState) -> SessionStore:
     settings = state.settings
     store = SessionStore(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes)
 
@@ -626,7 +621,7 @@ def add_response_routes(app, state, body_reader, default_max_tokens, check_model
     async def create_response() -> Response:
         try:
             engine = state.ready()
-            req = await off_loop(parse_responses_request, await body_reader())
+            req = await off_loop(parse_responses_request, await read_body(state))
             check_model(state, req.chat.model)
             earlier = stored(req.previous_response_id).messages if req.previous_response_id is not None else []
             history = [*earlier, *req.messages]
@@ -637,16 +632,18 @@ def add_response_routes(app, state, body_reader, default_max_tokens, check_model
             except ChatTemplateError as exc:  # chat names messages; here they come from input (and earlier responses)
                 raise RequestError(f"input: the chat template rejected the conversation: {exc}", field="input") from None
             try:
-                params = sampling_params(chat, default_max_tokens=default_max_tokens(engine, prompt_ids, "input", settings.default_max_tokens))
+                params = sampling_params(chat, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "input"))
                 guides = await compile_guides(engine, chat, 1)
             except RequestError as exc:
                 raise _responses_field(exc, []) from None
+            job = GenerationJob(
+                id=_item_id("resp"), shape="response", model=state.model_name, created=openai.now(),
+                prompts=[Prompt("", prompt_ids, params)], guides=guides, stream=chat.stream,
+                **output_parsing(state, chat.tools, chat.tool_choice),
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
-        job = ResponseJob(state, engine, req, prompt_ids, params, store, history)
-        job.guides = guides
-        state.parsers(job, chat.tools, chat.tool_choice)
-        return await job.respond(chat.stream)
+        return await Connection(job, engine, lambda conn: ResponseRender(conn, req, store, history)).respond()
 
     @app.route("/v1/responses/<response_id>", methods=["GET"])
     async def read_response(response_id: str) -> Response:

@@ -29,7 +29,8 @@ prompt tokens is bounded by the body size and the model's context.
 app's `_body` does): a string holding a lone UTF-16 surrogate, or nesting
 deeper than MAX_JSON_DEPTH, is refused with its JSON path.
 
-`sampling_params` maps a request onto the engine's `SamplingParams`.
+`sampling_params` (trioserve/http/edge.py) maps a parsed request onto the
+engine's `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.errors import RequestError
 from trioserve.models.guided import GuideSpec
-from trioserve.models.output_parser import CALL_CLOSE
-from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, RANGES, Range, SamplingParams, fold_seed
+from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, RANGES, Range
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
@@ -558,7 +558,7 @@ class ChatCompletionRequest:
     frequency_penalty: float | None = _field(None, check=_sampling_range("frequency_penalty"))
     repetition_penalty: float | None = _field(None, check=_sampling_range("repetition_penalty"))
     stop: str | tuple[str, ...] | None = _field(None, parse=_parse_stop)
-    seed: int | None = None  # any integer, as OpenAI allows; sampling_params folds it into [0, 2**63)
+    seed: int | None = None  # any integer, as OpenAI allows; edge.resolve_seed folds it into [0, 2**63)
     n: int = _field(1, check=_within(Range(1, MAX_N)))
     logit_bias: dict[int, float] | None = _field(None, parse=_parse_logit_bias)
     logprobs: bool = False
@@ -755,7 +755,7 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
         _refuse("tools", "two tools have the same name")
     if choice is not None and choice.mode == "function" and choice.name not in names:
         _refuse("tool_choice", f"no tool named {_short(choice.name)} (tools: {', '.join(names)})")
-    if _one_call_only(request) and isinstance(request.stop, tuple) and len(request.stop) >= MAX_STOP_STRINGS:
+    if one_call_only(request) and isinstance(request.stop, tuple) and len(request.stop) >= MAX_STOP_STRINGS:
         _refuse("stop", f"with parallel_tool_calls false at most {MAX_STOP_STRINGS - 1} stop strings are allowed (one is used to end the call)")
     constraints = [c for c in _constraints(request) if c != "response_format"]
     if choice is not None and choice.mode in ("required", "function") and constraints:
@@ -771,7 +771,7 @@ def tools_offered(tools: tuple[Tool, ...] | None, choice: ToolChoice | None) -> 
     return bool(tools) and (choice is None or choice.mode != "none")
 
 
-def _one_call_only(request: ChatCompletionRequest) -> bool:
+def one_call_only(request: ChatCompletionRequest) -> bool:
     """Tools offered with parallel_tool_calls false: the reply ends after its
     first call (its closing tag is a stop string)."""
     return tools_offered(request.tools, request.tool_choice) and not request.parallel_tool_calls
@@ -833,44 +833,3 @@ def guide_spec(request: ChatCompletionRequest | CompletionRequest) -> GuideSpec 
     if request.guided_choice is not None:
         return GuideSpec("choice", request.guided_choice, "guided_choice")
     return None
-
-
-# --- onto the engine's sampling parameters
-
-
-# Request fields that become the SamplingParams field of the same name, as
-# sent; left out (null), they take SamplingParams' own default.
-_AS_SENT = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int) -> SamplingParams:
-    """The SamplingParams a parsed request asks for. Unset fields take
-    SamplingParams' own defaults (the engine's); max_tokens defaults to
-    ``default_max_tokens``. A seed outside [0, 2**63) (OpenAI allows any
-    integer) is folded into it by `fold_seed`."""
-    if isinstance(request, ChatCompletionRequest):
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        logprobs = request.logprobs
-        top_logprobs = request.top_logprobs or 0
-    else:
-        max_tokens = request.max_tokens
-        logprobs = request.logprobs is not None
-        top_logprobs = request.logprobs or 0
-    stop = (request.stop,) if isinstance(request.stop, str) else (request.stop or ())
-    if isinstance(request, ChatCompletionRequest) and _one_call_only(request):
-        stop += (CALL_CLOSE,)
-    given: dict[str, Any] = {name: getattr(request, name) for name in _AS_SENT if getattr(request, name) is not None}
-    if request.top_k is not None:
-        given["top_k"] = max(request.top_k, 0)  # -1 and 0 both turn it off; SamplingParams' off is 0
-    if request.logit_bias is not None:
-        given["logit_bias"] = tuple(request.logit_bias.items())
-    if request.seed is not None:
-        given["seed"] = fold_seed(request.seed)
-    return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        stop=stop,
-        ignore_eos=request.ignore_eos,
-        **given,
-    )

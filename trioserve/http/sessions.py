@@ -24,20 +24,20 @@ turn in its own task."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-import attrs
 import trio
 from quart import Response
 
 from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, SessionMessage, TurnOutput
-from trioserve.http.connection import Connection, sse_response
-from trioserve.http import openai
 from trioserve.errors import EngineClosed, RequestError
+from trioserve.http import openai
+from trioserve.http.connection import Connection, sse_response
+from trioserve.http.edge import ServerState, check_model, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.in_flight import at_request_end
-from trioserve.types import fold_seed
-from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request, sampling_params
+from trioserve.http.job import GenerationJob, Prompt
+from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.session_store import Session, SessionStore, Turn
 
@@ -74,11 +74,12 @@ def _session_seed(body: dict) -> int | None:
     if body.get("seed") is None:
         return None
     req = parse_chat_request({"messages": PLACEHOLDER, "seed": body["seed"]})
-    return fold_seed(req.seed)
+    return resolve_seed(req.seed)
 
 
-def add_session_routes(app, state, body_reader, default_max_tokens, check_model) -> SessionStore:
+def add_session_routes(app, state: ServerState) -> SessionStore:
     settings = state.settings
+
     def forget(session_id: str) -> None:
         if state.engine is not None:
             state.engine.forget_retained(session_id)
@@ -94,7 +95,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
     async def create_session() -> Response:
         try:
             engine = state.ready()
-            body = await body_reader()
+            body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
             check_model(state, body.get("model"))
@@ -127,7 +128,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
     async def turn(session_id: str) -> Response:
         try:
             engine = state.ready()
-            body = await body_reader()
+            body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
             messages = body.get("messages")
@@ -151,19 +152,23 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def prepare(session: Session) -> Connection:
-            """The turn's generation from the pinned session (in the actor's task)."""
+        async def prepare(session: Session, on_final: Callable[[openai.Choice], None]) -> Connection:
+            """The turn's generation from the pinned session (in the actor's
+            task); ``on_final`` commits it."""
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, session.conversation(new), req.tools, req.tool_choice)
-            params = sampling_params(req, default_max_tokens=default_max_tokens(engine, prompt_ids, "messages", settings.default_max_tokens))
-            if not restart and session.seed is not None:
-                params = _with_seed(params, session.seed)
-            job = Connection(state, engine, "chat", prompt_ids, params, 1, req.logprobs, prompt_text="", echo=False)
-            job.draw_start = 0 if restart else session.draw_index
-            job.retain = session.id
-            job.guides = await compile_guides(engine, req, 1)
-            state.parsers(job, req.tools, req.tool_choice)
-            return job
+            params = sampling_params(
+                req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"), seed=req.seed if restart else session.seed
+            )
+            job = GenerationJob(
+                id=openai.new_id("chatcmpl"), shape="turn", model=state.model_name, created=openai.now(),
+                prompts=[Prompt("", prompt_ids, params)], logprobs=req.logprobs,
+                guides=await compile_guides(engine, req, 1), stream=req.stream, include_usage=include_usage,
+                draw_start=0 if restart else session.draw_index, retain=session.id,
+                **output_parsing(state, req.tools, req.tool_choice),
+            )  # fmt: skip
+            return Connection(job, engine, on_final=on_final)
 
         def outcome(choice: openai.Choice) -> Turn:
             final = choice.final
@@ -186,8 +191,7 @@ def add_session_routes(app, state, body_reader, default_max_tokens, check_model)
             replies.close()
 
         at_request_end(hang_up)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        order = RunTurn(prepare, outcome, req.stream, include_usage, replies_send)
+        order = RunTurn(prepare, outcome, req.stream, replies_send)
         try:
             first = await _ask(inbox, order, replies)
         except BaseException:
@@ -241,10 +245,6 @@ def _history_message(message: dict) -> dict:
     if "tool_calls" in message:
         kept["tool_calls"] = message["tool_calls"]
     return kept
-
-
-def _with_seed(params, seed: int):
-    return attrs.evolve(params, seed=seed)
 
 
 def _describe(session: Session, model: str) -> dict:

@@ -1,0 +1,92 @@
+"""POST /v1/chat/completions and POST /v1/completions.
+
+Each route reads its body into a `GenerationJob` (trioserve/http/job.py),
+in one place, and a `Connection` runs it (trioserve/http/connection.py)."""
+
+from __future__ import annotations
+
+from quart import Response
+
+from trioserve.errors import RequestError
+from trioserve.http import openai
+from trioserve.http.connection import Connection
+from trioserve.http.edge import ServerState, check_model, check_n, default_max_tokens, output_parsing, read_body, sampling_params
+from trioserve.http.errors import error_response
+from trioserve.http.job import GenerationJob, Prompt
+from trioserve.http.schemas import parse_chat_request, parse_completion_request
+from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
+
+
+def add_completion_routes(app, state: ServerState) -> None:
+    @app.route("/v1/chat/completions", methods=["POST"])
+    async def chat() -> Response:
+        try:
+            engine = state.ready()
+            req = await off_loop(parse_chat_request, await read_body(state))
+            check_model(state, req.model)
+            check_n(engine, req.n)
+            messages = map(message_dict, req.messages)  # made in the thread that renders them
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, messages, req.tools, req.tool_choice)
+            params = sampling_params(req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"))
+            job = GenerationJob(
+                id=openai.new_id("chatcmpl"), shape="chat", model=state.model_name, created=openai.now(),
+                prompts=[Prompt("", prompt_ids, params)], n=req.n, logprobs=req.logprobs,
+                guides=await compile_guides(engine, req, req.n), stream=req.stream,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                **output_parsing(state, req.tools, req.tool_choice),
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
+            return error_response(exc)
+        return await Connection(job, engine).respond()
+
+    @app.route("/v1/completions", methods=["POST"])
+    async def completions() -> Response:
+        try:
+            engine = state.ready()
+            req = await off_loop(parse_completion_request, await read_body(state))
+            check_model(state, req.model)
+            # A list of prompts is that many independent prompts, n choices
+            # each; counted before any is tokenized.
+            check_n(engine, req.n, _prompt_count(req.prompt))
+            prompts = await off_loop(_completion_prompts, engine, req.prompt, state.settings.allow_special_in_prompt)
+            job = GenerationJob(
+                id=openai.new_id("cmpl"), shape="text", model=state.model_name, created=openai.now(),
+                prompts=[Prompt(text, ids, sampling_params(req, default_max_tokens=default_max_tokens(state, engine, ids, "prompt"))) for text, ids in prompts],
+                n=req.n, logprobs=req.logprobs is not None, echo=req.echo,
+                guides=await compile_guides(engine, req, req.n * len(prompts)), stream=req.stream,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return await Connection(job, engine).respond()
+
+
+def _prompt_count(prompt) -> int:
+    """How many prompts a parsed `prompt` field holds: a string or one list
+    of token ids is one."""
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+def _completion_prompts(engine, prompt, special: bool) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt; token ids are checked before decoding.
+    Text is tokenized as text unless ``special`` (--allow-special-in-prompt):
+    then special-token text becomes its id. Token ids are taken as sent.
+    Blocking: the route runs it in a thread."""
+    if isinstance(prompt, str):
+        return [(prompt, engine.tokenizer.encode(prompt, special=special))]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((p, engine.tokenizer.encode(p, special=special)))
+            continue
+        ids = list(p)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", field="prompt")
+        out.append((engine.tokenizer.decode(ids), ids))
+    return out

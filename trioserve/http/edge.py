@@ -1,0 +1,172 @@
+"""What every route does with a request before the engine sees it, in one
+place: the state the routes share (`ServerState`), reading the JSON body,
+the model check, the n check, the default max_tokens, and resolving the
+seed.
+
+A seed a client sends is resolved here, once (`resolve_seed`): folded into
+the engine's range, plus the choice's place among n choices; a session
+turn that sends none continues its session's. A request that sends no seed
+gets a fresh one from the engine's edge (trioserve/engine.py), which
+reports it back."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+from quart import request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from trioserve.config import ServerSettings
+from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
+from trioserve.http import openai
+from trioserve.http.errors import HTTPError
+from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, Tool, ToolChoice, check_json_body, one_call_only, tools_offered
+from trioserve.http.tools import off_loop
+from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.checkpoint import Checkpoint
+from trioserve.models.output_parser import CALL_CLOSE
+from trioserve.types import SamplingParams, fold_seed
+
+BIG_BODY = 64 << 10  # bodies larger than this are decoded in a thread
+AS_SENT = object()  # sampling_params: the seed the request sent
+
+
+class ServerState:
+    """What the routes share: the engine once it is up, and the server's phase."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine = None  # the Engine (trioserve/engine.py), once loaded
+        self.template: ChatTemplate | None = None
+        self.model_name = settings.served_model_name or settings.engine.model
+        self.phase = "loading"  # loading -> ok -> draining; or dead
+        self.created = openai.now()
+        self.engine_scope = trio.CancelScope()
+        self.requests = None  # the InFlight middleware, which counts HTTP requests in flight
+        self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
+        self.sessions = None  # the SessionStore, made with the session routes
+        self.responses = None  # the stored responses (a SessionStore too), made with their routes
+        self.turns = None  # the SessionActors: start session actors while the engine runs
+        self.reasoning = False  # split <think> reasoning out of replies
+
+    def ready(self):
+        """The engine, or the reason no request can run now."""
+        if self.phase == "draining":
+            raise EngineClosed("the server is shutting down")
+        if self.engine is None:
+            raise HTTPError(503, "the model is still loading", kind="server_error", code="loading")
+        return self.engine
+
+
+async def read_body(state: ServerState) -> object:
+    """The request's JSON body, decoded and passed through check_json_body
+    (no lone surrogates, bounded nesting), or an HTTPError/RequestError for
+    the client. Bodies over BIG_BODY are decoded in a thread (`off_loop`)."""
+    limit = state.settings.max_body_bytes
+    try:
+        raw = await request.get_data(cache=False)
+    except RequestEntityTooLarge:
+        raise HTTPError(413, f"the request body is larger than {limit} bytes", code="body_too_large") from None
+
+    def decode() -> object:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
+            raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
+        check_json_body(body)
+        return body
+
+    return decode() if len(raw) <= BIG_BODY else await off_loop(decode)
+
+
+def check_model(state: ServerState, name: object) -> None:
+    """Refuse a request for another model than the one served."""
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f"model: expected a string, got {type(name).__name__}", field="model")
+    if name is not None and name != state.model_name:
+        raise HTTPError(404, f"the model {name!r} does not exist (this server serves {state.model_name!r})", param="model", code="model_not_found")
+
+
+def check_n(engine, n: int, prompts: int = 1) -> None:
+    """n choices of each prompt are that many requests; more than the queue
+    holds could never all be accepted, so say so instead of answering 429
+    forever."""
+    limit = engine.config.max_queue
+    if n > limit:
+        raise RequestError(f"n ({n}) is more than this server queues at once ({limit}, --max-queue)", field="n")
+    if n * prompts > limit:
+        raise RequestError(
+            f"{prompts} prompts x n ({n}) = {n * prompts} choices, more than this server queues at once ({limit}, --max-queue)",
+            field="prompt",
+        )
+
+
+def default_max_tokens(state: ServerState, engine, prompt_ids, field: str) -> int:
+    """max_tokens for a request that did not send one: the rest of the
+    context, but no more than --default-max-tokens nor than the whole KV
+    pool can hold beside the prompt (admission reserves prompt + max_tokens)."""
+    room = engine.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise RequestTooLarge(f"the prompt has {len(prompt_ids)} tokens; the maximum model length is {engine.max_model_len}", field=field)
+    stats = engine.statistics()
+    pool_room = stats.kv_blocks_total * stats.block_size - len(prompt_ids)
+    return max(1, min(room, state.settings.default_max_tokens, pool_room))
+
+
+def resolve_seed(sent: int | None, choice: int = 0) -> int | None:
+    """The engine's seed for a sent one (any integer, as OpenAI allows),
+    for choice ``choice`` of n: seed + choice, folded into [0, 2**63).
+    None stays None: the engine picks a fresh seed and reports it."""
+    return None if sent is None else fold_seed(sent + choice)
+
+
+def output_parsing(state: ServerState, tools: tuple[Tool, ...] | None, choice: ToolChoice | None) -> dict[str, bool]:
+    """What a chat-shaped job's parser splits out of its replies, as
+    GenerationJob fields: tool calls (tools offered), reasoning (the
+    server's --reasoning-parser), and whether a call is forced."""
+    return {
+        "calls": tools_offered(tools, choice),
+        "reasoning": state.reasoning,
+        "forced_call": choice is not None and choice.mode in ("required", "function"),
+    }
+
+
+# Chat and completion fields that become the SamplingParams field of the same name, as
+# sent; left out (null), they take SamplingParams' own default.
+_AS_SENT = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int, seed: object = AS_SENT) -> SamplingParams:
+    """The SamplingParams a parsed request asks for. Unset fields take
+    SamplingParams' own defaults (the engine's); max_tokens defaults to
+    ``default_max_tokens``. The seed is the request's, unless ``seed`` is
+    given (a session turn's: its session's), resolved by `resolve_seed`."""
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        logprobs = request.logprobs
+        top_logprobs = request.top_logprobs or 0
+    else:
+        max_tokens = request.max_tokens
+        logprobs = request.logprobs is not None
+        top_logprobs = request.logprobs or 0
+    stop = (request.stop,) if isinstance(request.stop, str) else (request.stop or ())
+    if isinstance(request, ChatCompletionRequest) and one_call_only(request):
+        stop += (CALL_CLOSE,)
+    given: dict[str, Any] = {name: getattr(request, name) for name in _AS_SENT if getattr(request, name) is not None}
+    if request.top_k is not None:
+        given["top_k"] = max(request.top_k, 0)  # -1 and 0 both turn it off; SamplingParams' off is 0
+    if request.logit_bias is not None:
+        given["logit_bias"] = tuple(request.logit_bias.items())
+    sent = request.seed if seed is AS_SENT else seed
+    if sent is not None:
+        given["seed"] = resolve_seed(sent)
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        stop=stop,
+        ignore_eos=request.ignore_eos,
+        **given,
+    )

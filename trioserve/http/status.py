@@ -1,0 +1,103 @@
+"""What the server says about itself: GET /health, /v1/models,
+/v1/models/{id}, /metrics (JSON) and /metrics/prometheus."""
+
+from __future__ import annotations
+
+from quart import Response
+
+from trioserve.http import prometheus
+from trioserve.http.edge import ServerState
+from trioserve.http.errors import HTTPError, error_response, json_response
+
+
+def add_status_routes(app, state: ServerState) -> None:
+    @app.route("/health")
+    async def health() -> Response:
+        if state.engine is not None and state.engine.statistics().dead:
+            return json_response({"status": "dead", "cause": state.engine.statistics().dead}, 503)
+        if state.phase != "ok":
+            return json_response({"status": state.phase}, 503)
+        return json_response({"status": "ok"})
+
+    @app.route("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [_model_card(state)]})
+
+    @app.route("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id != state.model_name:
+            return error_response(HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"))
+        return json_response(_model_card(state))
+
+    @app.route("/metrics")
+    async def metrics() -> Response:
+        engine = state.engine
+        if engine is None:
+            return json_response({"status": state.phase})
+        body = _stats_body(engine)
+        body["sessions"] = state.sessions.stats()
+        body["responses"] = {k: v for k, v in state.responses.stats().items() if k in ("active", "evicted")}  # stored ones
+        return json_response(body)
+
+    @app.route("/metrics/prometheus")
+    async def metrics_prometheus() -> Response:
+        if state.engine is None:
+            return error_response(HTTPError(503, "the model is still loading", kind="server_error", code="loading"))
+        text = prometheus.render(state.engine.statistics(), state.model_name, batch_invariant=state.engine.config.batch_invariant)
+        return Response(text, mimetype="text/plain; version=0.0.4")
+
+
+def _model_card(state: ServerState) -> dict:
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "trioserve"}
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.max_model_len
+        card["batch_invariant"] = state.engine.config.batch_invariant
+        card["activations"] = state.engine.activations
+        card["compute"] = state.engine.compute
+    return card
+
+
+def _stats_body(engine) -> dict:
+    s = engine.statistics()
+
+    def lat(x):
+        return {"count": x.count, "sum_s": x.total_s, "mean_s": x.mean_s}
+
+    return {
+        "running": s.running,
+        "waiting": s.waiting,
+        "kv_blocks_used": s.kv_blocks_used,
+        "kv_blocks_total": s.kv_blocks_total,
+        "kv_usage": s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+        "steps": s.steps,
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "speculative": {
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.draft_accepted,
+            "acceptance_rate": s.draft_accepted / s.draft_tokens if s.draft_tokens else 0.0,
+        },
+        "finished": dict(s.finished),
+        "queue_wait": lat(s.queue_wait),
+        "ttft": lat(s.ttft),
+        "inter_token": lat(s.inter_token),
+        "end_to_end": lat(s.end_to_end),
+        "dead": s.dead,
+        "batch_invariant": engine.config.batch_invariant,
+        "activations": engine.activations,  # what the 4-bit projections take (what --activations auto chose)
+        "compute": engine.compute,  # device, dtype, kernels, the C kernels' instruction sets, threads
+        "prefix_cache": None
+        if s.prefix is None
+        else {
+            "query_tokens": s.prefix.query_tokens,
+            "hit_tokens": s.prefix.hit_tokens,
+            "hit_rate": s.prefix.hit_rate,
+            "cached_blocks": s.prefix.cached_blocks,
+            "idle_blocks": s.prefix.idle_blocks,
+            "registered_tokens": s.prefix.registered_tokens,
+            "evictions": s.prefix.evictions,
+            "pinned_blocks": s.prefix.pinned_blocks,
+            "pinned_owners": s.prefix.pinned_owners,
+            "pin_evictions": s.prefix.pin_evictions,
+        },
+    }
