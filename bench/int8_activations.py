@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels import native
+from trioserve.kernels import native, native_pack
 from trioserve.kernels.int4 import Int4Parts
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down
@@ -51,8 +51,8 @@ def main() -> None:
         raise SystemExit("both kernels need the C kernels on a CPU with AVX-512 BF16 and VNNI")
     gen = torch.Generator().manual_seed(0)
     layers = [[parts(n, k, gen) for n, k in SHAPES] for _ in range(LAYERS)]
-    bf16_packs = [[native.pack_int4(p) for p in layer] for layer in layers]
-    q8_packs = [[native.pack_int4_q8(p) for p in layer] for layer in layers]
+    bf16_packs = [[native_pack.pack_int4(p) for p in layer] for layer in layers]
+    q8_packs = [[native_pack.pack_int4_q8(p) for p in layer] for layer in layers]
     result: dict = {"decode": {}, "prompt": {}}
     print(f"# {LAYERS} layers x 4 projections of SmolLM2's shapes, {args.threads} threads, ms per step (best)")
     print("| rows | bf16 activations | int8 activations | speed-up |")

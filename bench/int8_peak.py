@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 from int8_activations import LAYERS, SHAPES, best, parts  # bench/int8_activations.py: SmolLM2's shapes, random 4-bit weights
-from trioserve.kernels import native
+from trioserve.kernels import native, native_pack
 
 PROBES = r"""
 #include <stdint.h>
@@ -124,11 +124,11 @@ def main() -> None:
     rates: dict[str, float] = {f"vpmaddubsw's products alone, {args.threads} thread(s)": per_ns[f"vpmaddubsw, {args.threads} thread(s)"] * 64}
     if not native.int4_q8_supported(960, 576):
         raise SystemExit("the int8-activation 4-bit kernel is not built here")
-    small = native.pack_int4_q8(parts(960, 576, gen))  # 276 KB of codes: in the second-level cache
+    small = native_pack.pack_int4_q8(parts(960, 576, gen))  # 276 KB of codes: in the second-level cache
     xs = torch.randn(512, 576, generator=gen)
     t = best(lambda: native.int4_q8_matmul(small, xs, threads=args.threads), 7)
     rates[f"int4_q8_matmul, 960 x 576 in cache, 512 rows, {args.threads} thread(s)"] = 512 * 960 * 576 * 2 / t / 1e9
-    layers = [[native.pack_int4_q8(parts(n, k, gen)) for n, k in SHAPES] for _ in range(LAYERS)]
+    layers = [[native_pack.pack_int4_q8(parts(n, k, gen)) for n, k in SHAPES] for _ in range(LAYERS)]
     per_row = sum(n * k for n, k in SHAPES) * LAYERS * 2
     for rows in (32, 512):
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}

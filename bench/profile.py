@@ -45,9 +45,9 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from trioserve.kernels import int4 as int4_mod
 from trioserve.kernels import native, reference
 from trioserve.kernels.cpu import auto_dtype
+from trioserve.kernels.projection import Projection
 from trioserve.models import step as step_mod
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
@@ -78,8 +78,8 @@ def labels():
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, _labelled(label, getattr(owner, name)))
 
-    patch(int4_mod.Projection, "__call__", "projections")
-    patch(int4_mod.Projection, "fixed", "projections")
+    patch(Projection, "__call__", "projections")
+    patch(Projection, "fixed", "projections")
     patch(LlamaModel, "_head", "head")
     patch(reference, "paged_attention", "attention")
     patch(native, "decode_attention", "attention")  # decode rows, where the C kernels are built

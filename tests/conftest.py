@@ -25,10 +25,10 @@ from tests.tiny_model import build_tiny_checkpoints
 def _native_kernels_built() -> None:
     """Build (or find) the C kernels before the first test, so that no test
     with a deadline pays the compile: ~10-20 s on a slow 2-core machine with
-    an empty cache (kernels/native.py)."""
-    from trioserve.kernels import native
+    an empty cache (kernels/native_build.py)."""
+    from trioserve.kernels import native, native_build
 
-    native.library()
+    native_build.library()
 
 
 @pytest.fixture(scope="session")

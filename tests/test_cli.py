@@ -17,7 +17,7 @@ import attrs
 import httpx
 import pytest
 
-from trioserve.kernels import native
+from trioserve.kernels import native_build
 import torch
 import trio
 
@@ -211,7 +211,7 @@ async def test_generate_prints_the_servers_greedy_reply(nursery, tiny_checkpoint
     assert re.fullmatch(rf"Loading weights: done in \d+\.\d s \({re.escape(str(path))}, torch\.float32\)", lines[-2])
     # Where the C kernels cannot be built (no compiler), one warning line says so.
     fallback = [line for line in lines if "using the torch reference" in line]
-    assert len(fallback) == (0 if native.library() is not None else 1), fallback
+    assert len(fallback) == (0 if native_build.library() is not None else 1), fallback
     assert len(lines) == len(progress) + 2 + len(fallback)
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from tests.tiny_model import TINY
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.kernels import native
+from trioserve.kernels import native_build
 from trioserve.kernels.cpu import default_threads, level_fits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_ch
     unfit = level_fits(level)
     if unfit:
         pytest.skip(f"{CPU_FEATURES_ENV}={level}: {unfit}")
-    if native.library_at("native") is None or native.library_at(level) is None:
+    if native_build.library_at("native") is None or native_build.library_at(level) is None:
         pytest.skip("no C kernels here (no C compiler, or TRIOSERVE_NATIVE_KERNELS=0)")
     model = tiny_checkpoints["gguf_q4_1"]
     narrow = Server(model, level)
@@ -118,7 +118,7 @@ def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_ch
         narrow.close()
     wide = Server(model, "native", "--dtype", "float32")
     try:
-        wide_isa = native.library_at("native").trioserve_isa().decode()
+        wide_isa = native_build.library_at("native").trioserve_isa().decode()
         assert httpx.get(f"{wide.url}/v1/models", timeout=30).json()["data"][0]["compute"]["cpu_kernels"] == wide_isa
         assert _greedy(wide.url) == narrow_tokens  # the same bits, so the same greedy tokens
     finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.kernels import native
+from trioserve.kernels import native_build
 
 TESTS = Path(__file__).resolve().parent
 # A test file "at risk": it asks for int8 activations somewhere.
@@ -38,7 +38,7 @@ def test_the_files_at_risk_are_found():
 
 
 def test_the_int8_cases_pass_or_skip_without_a_c_compiler(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in (native.DISABLE_ENV, CPU_FEATURES_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (native_build.DISABLE_ENV, CPU_FEATURES_ENV)}
     env.update(CC=str(tmp_path / "no-such-cc"), TRIOSERVE_CACHE_DIR=str(tmp_path / "cache"), PYTHONDONTWRITEBYTECODE="1")
     files = [str(p) for p in _files_at_risk()]
     try:

@@ -29,7 +29,7 @@ DTYPE_NAMES = ("auto", "bfloat16", "float32", "float16")
 SPECULATIVE_MODES = ("off", "ngram")
 KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (kernels/ops.py)
 # How the 4-bit projections take their inputs (kernels/ops.py
-# `select_kernels`, kernels/int4.py `Projection`): bf16, or int8 per block of
+# `select_kernels`, kernels/projection.py `Projection`): bf16, or int8 per block of
 # 32 (faster, less exact: docs/kernels.md); auto is int8 where its C kernel
 # runs (AVX-512 VNNI), else bf16. The first is the default.
 ACTIVATION_CHOICES = ("auto", "bf16", "int8")

@@ -23,7 +23,7 @@ from tests.http.conftest import MAX_MODEL_LEN, MODEL_NAME, make_settings, start_
 from tests.http.test_server import PROMPTS
 from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
-from trioserve.kernels import native
+from trioserve.kernels import native, native_build
 
 Q = gguf.GGMLQuantizationType
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -130,7 +130,7 @@ def _top(entry: dict) -> dict[bytes, float]:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 async def test_a_served_file_of_each_type_picks_the_float32_models_greedy_tokens(files, qtype):
     exact = qtype in (Q.F16, Q.BF16)
-    if native.library() is None:
+    if native_build.library() is None:
         pytest.skip("the C kernels do not build here (no C compiler)")
     if not exact and not native.int4_q8_supported(16, 32):
         pytest.skip("no int8-activation C kernel here: the codes would run dense")

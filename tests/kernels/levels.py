@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.kernels import native
+from trioserve.kernels import native_build
 from trioserve.kernels.cpu import level_fits
 
-# Every level the library is built for (native.LEVELS), widest first.
+# Every level the library is built for (native_build.LEVELS), widest first.
 ALL_LEVELS = ("native", "avx2-vnni", "avx2", "generic")
 # The x86 levels with SIMD builds of the int8-activation kernels (the plain C build has none).
 SIMD_LEVELS = ("native", "avx2-vnni", "avx2")
@@ -30,7 +30,7 @@ def at_levels(levels: tuple[str, ...] = ALL_LEVELS):
 
 
 def _library_loads() -> bool:
-    return native.library() is not None
+    return native_build.library() is not None
 
 
 def use_level(level: str, monkeypatch, runs: Callable[[], bool] = _library_loads, what: str = "C kernels") -> None:

@@ -1,6 +1,6 @@
 /* Drives the C kernels built for 64-bit ARM, under qemu-user in the tests
  * (tests/kernels/test_neon.py). Normally linked against the shared library
- * built with kernels/native.py's own flags; with -DHARNESS_STATIC it
+ * built with kernels/native_build.py's own flags; with -DHARNESS_STATIC it
  * includes cpu_kernels.c instead (the fallback where no cross libgomp
  * exists), and the compiler then checks the declarations below against
  * the definitions.

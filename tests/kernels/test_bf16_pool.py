@@ -15,13 +15,13 @@ import torch
 
 from tests.kernels.levels import at_levels, use_level
 from tests.kernels.test_native import PROMPTS, _case, _prompt_case
-from trioserve.kernels import native, reference
+from trioserve.kernels import native, native_build, reference
 from trioserve.models.step import SeqChunk, build_step
 
 
 @pytest.fixture(autouse=True)
 def _kernels_built() -> None:
-    if native.library() is None:
+    if native_build.library() is None:
         pytest.skip("no C kernels here: no working C compiler ($CC), or TRIOSERVE_NATIVE_KERNELS=0")
 
 

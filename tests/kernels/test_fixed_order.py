@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trioserve.kernels.int4 import PROMPT_TILE, ROW_TILE, float_logits_mm, tiled_head, tiled_linear
+from trioserve.kernels.tiled import PROMPT_TILE, ROW_TILE, float_logits_mm, tiled_head, tiled_linear
 from trioserve.kernels.reference import KV_TILE, _grouped_attention, fixed_order_attention
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trioserve.kernels import native
-from trioserve.kernels.int4 import Int8Rows, Projection, concat_rows, parts_from_gguf
+from trioserve.kernels.int4 import concat_rows, parts_from_gguf
+from trioserve.kernels.projection import Int8Rows, Projection
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -174,36 +175,36 @@ def test_prompt_tiles_join_only_where_they_round_as_single_tiles(dtype, n, k, wi
     """Prompt rows in calls of several 128-row tiles give the bits of one
     tile at a time, at every row count; the check says how many tiles may
     join, and says 1 where a bigger call would round otherwise."""
-    from trioserve.kernels import int4
+    from trioserve.kernels import tiled
 
-    joined = int4.prompt_tiles_per_call(n, k, dtype, with_bias, torch.get_num_threads())
-    assert 1 <= joined <= int4.MOST_TILES_PER_CALL
+    joined = tiled.prompt_tiles_per_call(n, k, dtype, with_bias, torch.get_num_threads())
+    assert 1 <= joined <= tiled.MOST_TILES_PER_CALL
     gen = torch.Generator().manual_seed(n)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     for rows in (1, 128, 300, 5 * 128 + 17):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        assert torch.equal(int4.tiled_linear(x, weight, bias, 128, joined), int4.tiled_linear(x, weight, bias, 128, 1))
+        assert torch.equal(tiled.tiled_linear(x, weight, bias, 128, joined), tiled.tiled_linear(x, weight, bias, 128, 1))
 
 
 def test_prompt_tiles_stay_single_where_a_bigger_call_rounds_otherwise(monkeypatch):
     """torch's F.linear (a boundary we do not own) made to round calls of
     more than one tile differently: the check finds it and keeps tiles
     single."""
-    from trioserve.kernels import int4
+    from trioserve.kernels import tiled
 
-    real = int4.F.linear
+    real = tiled.F.linear
 
     def rounding_by_rows(x, weight, bias=None):
         out = real(x, weight, bias)
-        return out * (1 + 2**-7) if x.shape[0] > int4.PROMPT_TILE else out
+        return out * (1 + 2**-7) if x.shape[0] > tiled.PROMPT_TILE else out
 
-    monkeypatch.setattr(int4.F, "linear", rounding_by_rows)
-    int4.prompt_tiles_per_call.cache_clear()
+    monkeypatch.setattr(tiled.F, "linear", rounding_by_rows)
+    tiled.prompt_tiles_per_call.cache_clear()
     try:
-        assert int4.prompt_tiles_per_call(64, 64, torch.bfloat16, False, torch.get_num_threads()) == 1
+        assert tiled.prompt_tiles_per_call(64, 64, torch.bfloat16, False, torch.get_num_threads()) == 1
     finally:
-        int4.prompt_tiles_per_call.cache_clear()
+        tiled.prompt_tiles_per_call.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -212,39 +213,39 @@ def test_a_prompt_tail_cut_to_16_row_multiples_gives_the_bits_of_whole_tiles(dty
     """The last, partial tile of prompt rows padded only to a multiple of
     16 rows (where the check allows it) gives every row the bits it gets
     in whole 128-row tiles, at every row count."""
-    from trioserve.kernels import int4
+    from trioserve.kernels import tiled
 
     threads = torch.get_num_threads()
-    joined = int4.prompt_tiles_per_call(n, k, dtype, with_bias, threads)
-    tail = int4.prompt_tail_rows(n, k, dtype, with_bias, threads)
-    assert tail in (int4.ROW_TILE, int4.PROMPT_TILE)
+    joined = tiled.prompt_tiles_per_call(n, k, dtype, with_bias, threads)
+    tail = tiled.prompt_tail_rows(n, k, dtype, with_bias, threads)
+    assert tail in (tiled.ROW_TILE, tiled.PROMPT_TILE)
     gen = torch.Generator().manual_seed(k)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     for rows in (1, 17, 107, 128, 172, 300, 4 * 128 + 100):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        got = int4.tiled_linear(x, weight, bias, 128, joined, tail)
+        got = tiled.tiled_linear(x, weight, bias, 128, joined, tail)
         assert got.shape == (rows, n)
-        assert torch.equal(got, int4.tiled_linear(x, weight, bias, 128, 1)), rows
+        assert torch.equal(got, tiled.tiled_linear(x, weight, bias, 128, 1)), rows
 
 
 def test_the_prompt_tail_is_padded_to_16_rows_not_128(monkeypatch):
     """Which calls the tiles make (F.linear, a boundary we do not own,
     watched): a 107-row prompt is one call of 112 rows with a 16-row
     tail, of 128 without; 300 rows with joined tiles are 256 + 48."""
-    from trioserve.kernels import int4
+    from trioserve.kernels import tiled
 
-    real, calls = int4.F.linear, []
+    real, calls = tiled.F.linear, []
 
     def watched(x, weight, bias=None):
         calls.append(x.shape[0])
         return real(x, weight, bias)
 
-    monkeypatch.setattr(int4.F, "linear", watched)
+    monkeypatch.setattr(tiled.F, "linear", watched)
     weight = torch.randn(32, 64)
     for rows, joined, tail, want in ((107, 1, 16, [112]), (107, 1, 128, [128]), (300, 4, 16, [256, 48]), (300, 4, 128, [384]), (300, 1, 16, [128, 128, 48]), (256, 4, 16, [256]), (20, 4, 16, [32])):
         calls.clear()
-        int4.tiled_linear(torch.randn(rows, 64), weight, None, 128, joined, tail)
+        tiled.tiled_linear(torch.randn(rows, 64), weight, None, 128, joined, tail)
         assert calls == want, (rows, joined, tail, calls)
 
 
@@ -253,19 +254,19 @@ def test_the_prompt_tail_stays_a_whole_tile_where_smaller_calls_round_otherwise(
     each row alone, so every call size rounds alike: the check allows the
     16-row tail; the same made to round calls of 48 rows differently: the
     check finds it and keeps the tail a whole tile."""
-    from trioserve.kernels import int4
+    from trioserve.kernels import tiled
 
-    real, odd = int4.F.linear, []
+    real, odd = tiled.F.linear, []
 
     def row_by_row(x, weight, bias=None):
         out = torch.cat([real(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
         return out * (1 + 2**-7) if x.shape[0] in odd else out
 
-    monkeypatch.setattr(int4.F, "linear", row_by_row)
+    monkeypatch.setattr(tiled.F, "linear", row_by_row)
     try:
-        for rounds_otherwise, want in (([], int4.ROW_TILE), ([48], int4.PROMPT_TILE)):
+        for rounds_otherwise, want in (([], tiled.ROW_TILE), ([48], tiled.PROMPT_TILE)):
             odd[:] = rounds_otherwise
-            int4.prompt_tail_rows.cache_clear()
-            assert int4.prompt_tail_rows(64, 64, torch.bfloat16, False, torch.get_num_threads()) == want, rounds_otherwise
+            tiled.prompt_tail_rows.cache_clear()
+            assert tiled.prompt_tail_rows(64, 64, torch.bfloat16, False, torch.get_num_threads()) == want, rounds_otherwise
     finally:
-        int4.prompt_tail_rows.cache_clear()
+        tiled.prompt_tail_rows.cache_clear()

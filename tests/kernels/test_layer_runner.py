@@ -18,7 +18,7 @@ from tests.kernels.test_native_q8 import LEVELS, _use_level
 from tests.models.test_k_quants import SHAPE, _mixed
 from tests.tiny_model import tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
-from trioserve.kernels import native
+from trioserve.kernels import native_build
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
@@ -96,7 +96,7 @@ def test_the_stacked_projection_of_a_mixed_file_runs_in_parts(level, files):
     ],
 )
 def test_no_runner_where_some_call_is_not_a_c_kernel(files, options, why):
-    if native.library() is None:
+    if native_build.library() is None:
         pytest.skip("no C kernels here (no C compiler, or TRIOSERVE_NATIVE_KERNELS=0)")
     model = LlamaModel.from_checkpoint(load_checkpoint(files["q4_0"], dtype=torch.float32), batch_invariant=True, **options)
     assert model.runner is None, why

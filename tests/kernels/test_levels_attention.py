@@ -13,7 +13,7 @@ import torch
 
 from tests.kernels.test_native import PROMPTS, _case, _prompt_case
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.kernels import native
+from trioserve.kernels import native, native_build
 from trioserve.kernels.cpu import level_fits
 from trioserve.models.step import build_step
 
@@ -23,7 +23,7 @@ def _levels(monkeypatch, candidates) -> list[str]:
     for level in candidates:
         if level_fits(level) is None:
             monkeypatch.setenv(CPU_FEATURES_ENV, level)
-            if native.library() is not None:
+            if native_build.library() is not None:
                 runs.append(level)
     monkeypatch.delenv(CPU_FEATURES_ENV)
     if len(runs) < 2:

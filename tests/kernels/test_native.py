@@ -18,7 +18,7 @@ import torch
 
 from tests.kernels.rope_case import BLOCK_SIZE, MAX_POS, rope_case
 from tests.kernels.levels import at_levels, use_level
-from trioserve.kernels import native, reference
+from trioserve.kernels import native, native_build, reference
 from trioserve.models.step import SeqChunk, build_step
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 3e-2}
@@ -29,7 +29,7 @@ def _kernels_built(request) -> None:
     """Every test here runs the C kernels, except those marked as testing
     what happens without them: where no C compiler works (or
     TRIOSERVE_NATIVE_KERNELS=0) they skip, saying so."""
-    if request.node.get_closest_marker("without_kernels") is None and native.library() is None:
+    if request.node.get_closest_marker("without_kernels") is None and native_build.library() is None:
         pytest.skip("no C kernels here: no working C compiler ($CC), or TRIOSERVE_NATIVE_KERNELS=0")  # the twin rounds scores and probabilities to bf16
 
 
@@ -273,32 +273,32 @@ def test_refuses_reads_outside_the_pool_and_shapes_it_does_not_take():
 def fresh_library(monkeypatch, tmp_path):
     """library() rebuilt for one test in an empty cache, then as it was."""
     monkeypatch.setenv("TRIOSERVE_CACHE_DIR", str(tmp_path))
-    native.library_at.cache_clear()
+    native_build.library_at.cache_clear()
     yield
-    native.library_at.cache_clear()
+    native_build.library_at.cache_clear()
 
 
 @pytest.mark.without_kernels
 def test_disabled_or_unbuildable_falls_back_with_a_warning(fresh_library, monkeypatch, caplog):
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    assert native.library() is None
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    assert native_build.library() is None
     with pytest.raises(RuntimeError, match="not available"):
         native.decode_attention(torch.randn(1, 1, 16), torch.randn(1, 1, 16, 16), torch.randn(1, 1, 16, 16), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0.25)
-    native.library_at.cache_clear()
-    monkeypatch.delenv(native.DISABLE_ENV)
+    native_build.library_at.cache_clear()
+    monkeypatch.delenv(native_build.DISABLE_ENV)
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger="trioserve.kernels.native"):
-        assert native.library() is None
+    with caplog.at_level(logging.WARNING, logger="trioserve.kernels.native_build"):
+        assert native_build.library() is None
     assert "native kernels not built" in caplog.text and "/nonexistent/cc" in caplog.text
 
 
 def test_builds_once_into_the_cache_by_a_key_of_source_and_cpu(fresh_library, tmp_path):
-    first = native.build(out_dir=tmp_path)
+    first = native_build.build(out_dir=tmp_path)
     assert first.parent == tmp_path and first.name.startswith("cpu_kernels-") and first.suffix == ".so"
     stamp = first.stat().st_mtime_ns
-    assert native.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert native_build.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
-    assert native.library() is not None
+    assert native_build.library() is not None
 
 
 @at_levels()

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from tests.k_quants import quantize_q4_k
-from trioserve.kernels import native
-from trioserve.kernels.int4 import Projection, parts_from_gguf
+from trioserve.kernels import native, native_build, native_pack
+from trioserve.kernels.int4 import parts_from_gguf
+from trioserve.kernels.projection import Projection
 
 Q = gguf.GGMLQuantizationType
 
 
 def _available() -> bool:
-    lib = native.library()
+    lib = native_build.library()
     return lib is not None and bool(lib.trioserve_int4_available())
 
 
@@ -66,7 +67,7 @@ def test_matches_the_dequantized_weights(qtype, n, k, rows):
     else:
         expected = gguf.quants.dequantize(gguf.quants.quantize(parts.dequantize().numpy(), qtype), qtype)
         np.testing.assert_allclose(parts.dequantize().numpy(), expected.reshape(n, k), atol=1e-6, rtol=0)
-    pack = native.pack_int4(parts)
+    pack = native_pack.pack_int4(parts)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     exact = x.double() @ parts.dequantize().double().T
     scale = exact.abs().max()
@@ -83,7 +84,7 @@ def test_matches_the_dequantized_weights(qtype, n, k, rows):
 @needs_kernel
 def test_a_row_is_the_same_bits_alone_in_company_and_on_any_thread_split():
     parts = _parts(960, 576, Q.Q4_1, seed=5)
-    pack = native.pack_int4(parts)
+    pack = native_pack.pack_int4(parts)
     crowd = torch.randn(37, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     together = native.int4_matmul(pack, crowd, threads=2)
     assert torch.equal(together, native.int4_matmul(pack, crowd, threads=1))
@@ -94,9 +95,9 @@ def test_a_row_is_the_same_bits_alone_in_company_and_on_any_thread_split():
 @needs_kernel
 def test_refuses_shapes_it_does_not_take():
     with pytest.raises(ValueError, match="multiples of 32, got 48 x 64"):
-        native.pack_int4(_parts(48, 64, Q.Q4_0))
+        native_pack.pack_int4(_parts(48, 64, Q.Q4_0))
     assert not native.int4_supported(48, 64) and not native.int4_supported(64, 48) and native.int4_supported(64, 64)
-    pack = native.pack_int4(_parts(64, 64, Q.Q4_0))
+    pack = native_pack.pack_int4(_parts(64, 64, Q.Q4_0))
     with pytest.raises(RuntimeError, match=r"x \(2, 32\) does not have the weight's 64 inputs"):
         native.int4_matmul(pack, torch.randn(2, 32))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
@@ -117,13 +118,13 @@ def test_projection_takes_the_kernel_where_it_runs_and_torch_int4_elsewhere(monk
         assert torch.equal(chosen.fixed(x, 5), native.int4_matmul(chosen.native, x))
     odd = Projection(_parts(48, 64, Q.Q4_1).dequantize().to(torch.bfloat16), None, _parts(48, 64, Q.Q4_1))
     assert odd.native is None and odd.packed is not None
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library_at.cache_clear()
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    native_build.library_at.cache_clear()
     try:
         off = Projection(weight, None, parts)
     finally:
-        monkeypatch.delenv(native.DISABLE_ENV)
-        native.library_at.cache_clear()
+        monkeypatch.delenv(native_build.DISABLE_ENV)
+        native_build.library_at.cache_clear()
     assert off.native is None and off.packed is not None
     for proj in (chosen, off):
         assert (proj.fixed(x, 5).double() - exact).abs().max() <= 0.03 * exact.abs().max()
@@ -141,13 +142,13 @@ def test_the_tiny_model_decodes_the_same_tokens_through_either_int4_path(tiny_ch
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
     fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")  # the two bf16-activation paths
     assert all(p.native is not None for p in (fast.layers[0].qkv, fast.layers[0].o, fast.layers[0].gate_up, fast.layers[0].down))
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library_at.cache_clear()
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    native_build.library_at.cache_clear()
     try:
         slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
     finally:
-        monkeypatch.delenv(native.DISABLE_ENV)
-        native.library_at.cache_clear()
+        monkeypatch.delenv(native_build.DISABLE_ENV)
+        native_build.library_at.cache_clear()
     assert slow.layers[0].qkv.native is None and slow.layers[0].qkv.packed is not None
     caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow)}
     prompt = build_step([SeqChunk([5, 9, 33, 7, 2, 8], 0, [0, 1])], 4, fixed=True)
@@ -167,7 +168,7 @@ def test_the_8_bit_head_matches_its_codes_and_each_row_is_its_own(n, k, rows):
     """`int8_matmul`: x (bf16 values) times the int8 codes, summed in fp32,
     times the scale; the same bits for a row alone, in company and on any
     thread split; and `Int8Rows` takes it."""
-    from trioserve.kernels.int4 import Int8Rows
+    from trioserve.kernels.projection import Int8Rows
 
     gen = torch.Generator().manual_seed(n + rows)
     head = Int8Rows(torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen))
@@ -189,8 +190,8 @@ def test_the_8_bit_head_matches_its_codes_and_each_row_is_its_own(n, k, rows):
 def test_the_8_bit_head_refuses_shapes_it_does_not_take():
     q, scale = torch.zeros(48, 8, dtype=torch.int8), torch.ones(48)
     with pytest.raises(ValueError, match="multiple of 32 outputs and an even number of inputs, got 48 x 8"):
-        native.pack_int8(q, scale)
+        native_pack.pack_int8(q, scale)
     assert not native.int8_supported(48, 8) and not native.int8_supported(64, 7) and native.int8_supported(64, 8)
-    pack = native.pack_int8(torch.zeros(64, 8, dtype=torch.int8), torch.ones(64))
+    pack = native_pack.pack_int8(torch.zeros(64, 8, dtype=torch.int8), torch.ones(64))
     with pytest.raises(RuntimeError, match=r"x \(1, 6\) does not have the weight's 8 inputs"):
         native.int8_matmul(pack, torch.randn(1, 6))

@@ -25,9 +25,11 @@ import trio
 from tests.k_quants import quantize_q4_k
 from trioserve import cli
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.kernels import native, reference
+from trioserve.kernels import native, native_pack, reference
 from trioserve.kernels.cpu import level_fits
-from trioserve.kernels.int4 import PROMPT_TILE, Projection, parts_from_gguf, tiled_linear
+from trioserve.kernels.int4 import parts_from_gguf
+from trioserve.kernels.projection import Projection
+from trioserve.kernels.tiled import PROMPT_TILE, tiled_linear
 
 Q = gguf.GGMLQuantizationType
 needs_vnni = pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the int8-activation kernel needs AVX-512 VNNI or AVX2 and a C compiler")
@@ -103,7 +105,7 @@ def test_the_kernel_matches_its_torch_twin_and_the_weights(level, qtype, n, k, r
     weights in float64; each row the same bits alone as in company. 80
     outputs are five tiles of 16: a group of three, then two."""
     parts, x, twin = _twin_case(qtype, n, k, rows, dtype)
-    pack = native.pack_int4_q8(parts)
+    pack = native_pack.pack_int4_q8(parts)
     out = native.int4_q8_matmul(pack, x)
     assert out.dtype == dtype and out.shape == (rows, n)
     for r in {0, rows // 2, rows - 1}:
@@ -128,7 +130,7 @@ def test_the_kernel_matches_its_torch_twin_and_the_weights(level, qtype, n, k, r
 
 def test_a_row_gets_the_same_bits_alone_in_company_and_on_any_thread_count(level):
     parts = _parts(960, 576)
-    pack = native.pack_int4_q8(parts)
+    pack = native_pack.pack_int4_q8(parts)
     x = _rows(33, 576).to(torch.bfloat16)
     together = native.int4_q8_matmul(pack, x, threads=2)
     assert torch.equal(native.int4_q8_matmul(pack, x, threads=1), together)
@@ -154,7 +156,7 @@ def test_the_kernels_block_sums_are_the_twins_bits(level):
     parts = _parts(16, k)
     parts = type(parts)(torch.zeros_like(parts.q), torch.zeros_like(parts.scale), torch.full_like(parts.zero, 1.0))
     x = (torch.randn(5, k) * 100).to(torch.bfloat16)
-    out = native.int4_q8_matmul(native.pack_int4_q8(parts), x.float())
+    out = native.int4_q8_matmul(native_pack.pack_int4_q8(parts), x.float())
     _, _, xs = reference.q8_blocks(x)
     want = torch.zeros(5)
     for b in range(k // 32):
@@ -178,7 +180,7 @@ def test_every_level_gives_a_row_the_same_bits(qtype, rows, n, k, monkeypatch):
     an AVX2 laptop and an AVX-512 server. Odd row counts, a last group of
     one or two tiles, bf16 and fp32 inputs and outputs, each 4-bit type."""
     parts = _parts(n, k, qtype, seed=rows)
-    pack = native.pack_int4_q8(parts)
+    pack = native_pack.pack_int4_q8(parts)
     x = _rows(rows, k, seed=rows)
     results = {}
     for level_ in LEVELS:
@@ -202,7 +204,7 @@ def test_the_8bit_head_gives_a_row_the_same_bits_at_every_level(rows, n, k, monk
     gen = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) / 64
-    pack = native.pack_int8(q, scale)
+    pack = native_pack.pack_int8(q, scale)
     x = torch.randn(rows, k, generator=gen)
     want = x.to(torch.bfloat16).double() @ (q.double() * scale.double()[:, None]).T
     results = {}
@@ -223,12 +225,12 @@ def test_the_8bit_head_gives_a_row_the_same_bits_at_every_level(rows, n, k, monk
 
 def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
     with pytest.raises(ValueError, match="multiple of 16 outputs and 32 inputs, got 24 x 32"):
-        native.pack_int4_q8(_parts(24, 32))
+        native_pack.pack_int4_q8(_parts(24, 32))
     assert not native.int4_q8_supported(24, 32) and not native.int4_q8_supported(16, 48)
     if not native.int4_q8_supported(16, 32):
         return
-    q8 = native.pack_int4_q8(_parts(32, 64))
-    bf16 = native.pack_int4(_parts(32, 64))
+    q8 = native_pack.pack_int4_q8(_parts(32, 64))
+    bf16 = native_pack.pack_int4(_parts(32, 64))
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="int4_matmul was given a weight packed for the other 4-bit kernel"):
         native.int4_matmul(q8, x)

@@ -1,5 +1,5 @@
 """The C kernels' 64-bit ARM build (NEON with the dot-product extension),
-made by Debian's cross compiler with kernels/native.py's own flags and run
+made by Debian's cross compiler with kernels/native_build.py's own flags and run
 under qemu-user through tests/kernels/neon_harness.c, against this CPU:
 
 * the integer and 16-bit matmuls and the 8-bit head: this CPU's bits (the
@@ -12,7 +12,7 @@ under qemu-user through tests/kernels/neon_harness.c, against this CPU:
   the twins' rules besides (RoPE bit-identical to torch);
 * the load-time packers: this CPU's bytes for the same file blocks, f16
   fields of every kind included;
-* the shared library itself: links, exports what native.py binds, holds
+* the shared library itself: links, exports what the Python side binds, holds
   the dot-product paths.
 
 Where the cross compiler or qemu is missing, skipped saying so (`make
@@ -40,7 +40,7 @@ from tests.kernels.test_int6 import _raw as _raw6
 from tests.kernels.rope_case import BLOCK_SIZE, MAX_POS, rope_case
 from tests.kernels.test_native import TOLERANCE, _case, _prompt_case
 from tests.kernels.test_pack_layout import _f16_fields, _q4_tensor, _q6_tensor
-from trioserve.kernels import native, reference
+from trioserve.kernels import native, native_build, native_pack, reference
 from trioserve.kernels.int4 import Int4Rows, parts_from_gguf
 from trioserve.kernels.int6 import TILE_GROUPS, Int6Rows, pack_int6_q8, parts_from_gguf6
 from trioserve.kernels.int8w import Q8Rows, pack_int8_q8, parts_from_q8_0
@@ -50,7 +50,7 @@ from trioserve.models.step import SeqChunk, build_step
 HERE = Path(__file__).resolve().parent
 CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 Q = gguf.GGMLQuantizationType
-# What `-march=native` (native.py's default level) picks on an ARM CPU with
+# What `-march=native` (native_build.py's default level) picks on an ARM CPU with
 # dot products (Graviton 2, Apple M1 and later, Ampere Altra); a cross
 # compiler has no `native`.
 ARM_MARCH = ("-march=armv8.2-a+dotprod",)
@@ -61,7 +61,7 @@ pytestmark = pytest.mark.skipif(
     CC is None or QEMU is None, reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (Debian: gcc-aarch64-linux-gnu, qemu-user-static)"
 )
 needs_here = pytest.mark.skipif(not native.int4_q8_supported(16, 32), reason="the integer kernels do not run on this CPU to compare with")
-needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here to compare with")
+needs_library = pytest.mark.skipif(native_build.library() is None, reason="the C kernels do not build here to compare with")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _compile(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def arm(tmp_path_factory) -> ArmBuild:
-    """The kernels as native.py builds them (its flags, `ARM_MARCH` for
+    """The kernels as native_build.py builds them (its flags, `ARM_MARCH` for
     `-march=native`) with the harness linked to them; where the cross
     libgomp is missing, the harness with the source included, no OpenMP."""
     where = tmp_path_factory.mktemp("arm64")
@@ -87,10 +87,10 @@ def arm(tmp_path_factory) -> ArmBuild:
     sysroot = Path(subprocess.run([CC, "-print-file-name=libc.so.6"], capture_output=True, text=True, check=True).stdout.strip()).resolve().parent.parent
     gomp = Path(subprocess.run([CC, "-print-file-name=libgomp.so"], capture_output=True, text=True, check=True).stdout.strip())
     if not gomp.is_absolute() or not gomp.exists():
-        _compile("-O3", "-ffp-contract=off", *ARM_MARCH, "-static", "-Wno-unknown-pragmas", "-DHARNESS_STATIC", "-I", str(native.SOURCE.parent),
+        _compile("-O3", "-ffp-contract=off", *ARM_MARCH, "-static", "-Wno-unknown-pragmas", "-DHARNESS_STATIC", "-I", str(native_build.SOURCE.parent),
                  str(HERE / "neon_harness.c"), "-o", str(exe), "-lm")  # fmt: skip
-        return ArmBuild(exe, None, f"no libgomp for {CC} (Debian: libgomp1-arm64-cross), so native.py's -fopenmp build cannot link", sysroot)
-    _compile(*native.FLAGS, *ARM_MARCH, "-o", str(lib), str(native.SOURCE))  # as native.build() runs it
+        return ArmBuild(exe, None, f"no libgomp for {CC} (Debian: libgomp1-arm64-cross), so native_build.py's -fopenmp build cannot link", sysroot)
+    _compile(*native_build.FLAGS, *ARM_MARCH, "-o", str(lib), str(native_build.SOURCE))  # as native_build.build() runs it
     # -lm: the library calls sqrtf and names no libm (in Python the process has it loaded).
     _compile("-O2", "-fopenmp", str(HERE / "neon_harness.c"), "-o", str(exe), "-L", str(where), "-ltrioserve_arm64", "-lm", f"-Wl,-rpath,{where}")
     return ArmBuild(exe, lib, None, sysroot)
@@ -182,7 +182,7 @@ def test_the_arm_kernels_give_this_cpus_bits(arm, tmp_path, rows):
     threads = 1 if rows < 33 else 3
     jobs, want = Jobs(), {}
     # 4-bit (Q4_1 codes), int8 activations
-    pack4 = native.pack_int4_q8(parts_from_gguf(gguf.quants.quantize(w, Q.Q4_1), "Q4_1"))
+    pack4 = native_pack.pack_int4_q8(parts_from_gguf(gguf.quants.quantize(w, Q.Q4_1), "Q4_1"))
     want[_matmul(jobs, 1, pack4.packed, pack4.scales, x, 80, threads)] = native.int4_q8_matmul(pack4, x)
     # up to 6 bits (Q5_1 codes)
     pack6 = pack_int6_q8(parts_from_gguf6(gguf.quants.quantize(w, Q.Q5_1), "Q5_1"))
@@ -200,7 +200,7 @@ def test_the_arm_kernels_give_this_cpus_bits(arm, tmp_path, rows):
     # the 8-bit head
     if native.int8_supported(96, 256):
         q = torch.from_numpy(rng.integers(-127, 128, (96, 256), dtype=np.int8))
-        head = native.pack_int8(q, torch.from_numpy(rng.random(96).astype(np.float32)) / 50)
+        head = native_pack.pack_int8(q, torch.from_numpy(rng.random(96).astype(np.float32)) / 50)
         want[_matmul(jobs, 3, head.packed, head.scale, x, 96, threads)] = native.int8_matmul(head, x)
     done, isa = jobs.run(arm, tmp_path)
     assert isa == "neon-dotprod"
@@ -468,7 +468,7 @@ def _differ(got: bytes, want, scales: bool) -> str | None:
 
 @needs_library
 def test_the_packers_write_this_cpus_bytes(arm, tmp_path):
-    """The row packers native.py runs at load time (4-bit from Q4_0, Q4_1,
+    """The row packers native_pack.py runs at load time (4-bit from Q4_0, Q4_1,
     Q4_K; 6-bit from Q6_K, Q5_K, Q5_0, Q5_1; Q8_0; F16 and BF16), reading
     rows through pointers in a shuffled order, on three threads, at 1, 4
     and 7 tiles (a short last group) and 1, 7, 33 and 129 rows (16-bit):
@@ -482,8 +482,8 @@ def test_the_packers_write_this_cpus_bytes(arm, tmp_path):
             for tiles in (1, 4, 7):
                 n, k = 16 * tiles, 512
                 raw, order = _q4_tensor(qtype, n, k, rng), rng.permutation(n)
-                want = native.pack_int4_q8_rows(Int4Rows.of(raw, qtype).take_rows(order))
-                i = _pack_rows(jobs, 20, raw, order, n, k, [n * k // 2, n * k // 32 * 4], kind=native._ROWS_KINDS[qtype], group=native.Q8_GROUP_TILES)
+                want = native_pack.pack_int4_q8_rows(Int4Rows.of(raw, qtype).take_rows(order))
+                i = _pack_rows(jobs, 20, raw, order, n, k, [n * k // 2, n * k // 32 * 4], kind=native_pack._ROWS_KINDS[qtype], group=native_pack.Q8_GROUP_TILES)
                 checks.append((i, (qtype, tiles), [want.packed, want.scales], None))
         for qtype in ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q6_K finite"):
             for tiles in (1, 4, 7):
@@ -495,8 +495,8 @@ def test_the_packers_write_this_cpus_bytes(arm, tmp_path):
                 else:
                     raw = _q6_tensor(qtype, n, k, rng)
                 order = rng.permutation(n)
-                kind = native.CODES6_KINDS[qtype.split()[0]][0]
-                want = native.pack_int6_q8_rows(Int6Rows.of(raw, qtype.split()[0]).take_rows(order))
+                kind = native_pack.CODES6_KINDS[qtype.split()[0]][0]
+                want = native_pack.pack_int6_q8_rows(Int6Rows.of(raw, qtype.split()[0]).take_rows(order))
                 assert want.symmetric == (qtype == "Q6_K finite")
                 scales = n * k // 32 * (2 if want.symmetric else 4) * 2  # bytes of f16
                 i = _pack_rows(jobs, 21, raw, order, n, k, [n * k * 3 // 4, scales], kind=kind, symmetric=int(want.symmetric))
@@ -506,7 +506,7 @@ def test_the_packers_write_this_cpus_bytes(arm, tmp_path):
             raw = rng.integers(0, 256, (n, k // 32, 34), dtype=np.uint8)
             raw[..., 0:2] = _f16_fields(rng, n * (k // 32)).view(np.uint8).reshape(n, k // 32, 2)
             raw, order = raw.reshape(n, -1), rng.permutation(n)
-            want = native.pack_int8_q8_rows(Q8Rows.of(raw, "Q8_0").take_rows(order))
+            want = native_pack.pack_int8_q8_rows(Q8Rows.of(raw, "Q8_0").take_rows(order))
             checks.append((_pack_rows(jobs, 22, raw, order, n, k, [n * k, n * k // 32 * 2]), ("Q8_0", tiles), [want.packed, want.scales], None))
         for qtype in ("F16", "BF16"):
             for n in ROWS:
@@ -514,7 +514,7 @@ def test_the_packers_write_this_cpus_bytes(arm, tmp_path):
                 values = rng.standard_normal((n, k)).astype(np.float32)
                 bits = values.astype(np.float16).view(np.uint16) if qtype == "F16" else (values.view(np.uint32) >> 16).astype(np.uint16)
                 order = rng.permutation(n)
-                want = native.pack_w16_rows(W16Rows.of(bits.view(np.uint8), qtype).take_rows(order))
+                want = native_pack.pack_w16_rows(W16Rows.of(bits.view(np.uint8), qtype).take_rows(order))
                 i = _pack_rows(jobs, 23, bits, order, n, k, [want.packed.numel() * 2])
                 checks.append((i, (qtype, n), [want.packed], None))
     done, _ = jobs.run(arm, tmp_path)
@@ -531,11 +531,12 @@ def test_the_packers_write_this_cpus_bytes(arm, tmp_path):
 # -- the shared library -------------------------------------------------------------
 
 
-def test_the_shared_library_links_and_exports_what_native_py_binds(arm, tmp_path):
-    """native.py's build (its FLAGS with `ARM_MARCH`): a 64-bit ARM shared
-    object that needs libgomp, exports every trioserve_ function native.py
-    binds, holds sdot (the dot-product paths compiled in), and, linked
-    into the harness, loads and names its instruction sets under qemu."""
+def test_the_shared_library_links_and_exports_what_the_bindings_use(arm, tmp_path):
+    """native_build.py's build (its FLAGS with `ARM_MARCH`): a 64-bit ARM
+    shared object that needs libgomp, exports every trioserve_ function
+    native_build.py declares and native.py and native_pack.py call, holds
+    sdot (the dot-product paths compiled in), and, linked into the
+    harness, loads and names its instruction sets under qemu."""
     if arm.library is None:
         pytest.skip(arm.why_not)
     tools = {name: shutil.which(f"aarch64-linux-gnu-{name}") for name in ("readelf", "nm", "objdump")}
@@ -549,7 +550,7 @@ def test_the_shared_library_links_and_exports_what_native_py_binds(arm, tmp_path
     assert re.search(r"Machine:\s+AArch64", header) and re.search(r"Type:\s+DYN", header), header
     assert "[libgomp.so.1]" in tool("readelf", "-d")
     exported = {line.split()[-1] for line in tool("nm", "-D", "--defined-only").splitlines() if line.split()[-2:-1] == ["T"]}
-    bound = set(re.findall(r"\btrioserve_\w+", Path(native.__file__).read_text()))
+    bound = {name for module in (native_build, native, native_pack) for name in re.findall(r"\btrioserve_\w+", Path(module.__file__).read_text())}
     assert len(bound) > 20, bound
     assert bound <= exported, sorted(bound - exported)
     assert re.search(r"\bsdot\b", tool("objdump", "-d", "--no-show-raw-insn"))

@@ -1,4 +1,4 @@
-"""The C library's load-time packers (`native.grouped_codes`) against the
+"""The C library's load-time packers (`native_pack.grouped_codes`) against the
 numpy packers they stand in for: `pack_int4_q8` and `pack_int6_q8` give
 the same bytes and scales with the library as without it, at every number
 of tiles around a group (whole groups, a short last group, one tile) and
@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from trioserve.config import NATIVE_KERNELS_ENV
-from trioserve.kernels import native
-from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection, concat_rows, parts_from_gguf
+from trioserve.kernels import native, native_build, native_pack
+from trioserve.kernels.int4 import Int4Parts, Int4Rows, concat_rows, parts_from_gguf
+from trioserve.kernels.projection import Projection
 from trioserve.kernels.int6 import Int6Parts, Int6Rows, concat_rows6, pack_int6_q8, parts_from_gguf6
 from trioserve.kernels import w16 as w16_module
 from trioserve.kernels.int8w import Q8Rows, concat_rows8, pack_int8_q8, parts_from_q8_0
 from trioserve.kernels.w16 import W16Rows, concat_rows16, pack_w16
 
-needs_library = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
+needs_library = pytest.mark.skipif(native_build.library() is None, reason="the C kernels do not build here (no C compiler or not x86-64/ARM64)")
 SHAPES = [(16 * tiles, k) for tiles in (1, 2, 3, 4, 5, 6, 7, 9) for k in (32, 96)] + [(960, 576), (48, 1536)]
 
 
@@ -27,7 +28,7 @@ def _both(pack, parts, monkeypatch):
     """``pack(parts)`` by the C packer, then by numpy (the library switched off)."""
     with_c = pack(parts)
     monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
-    assert native.library() is None and native.grouped_codes(np.zeros((16, 32), np.uint8), 4, 3) is None
+    assert native_build.library() is None and native_pack.grouped_codes(np.zeros((16, 32), np.uint8), 4, 3) is None
     without = pack(parts)
     monkeypatch.delenv(NATIVE_KERNELS_ENV)
     return with_c, without
@@ -50,7 +51,7 @@ def _int6_parts(n: int, k: int, seed: int, symmetric: bool) -> Int6Parts:
 @needs_library
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_the_4_bit_packer_writes_numpys_bytes(n, k, monkeypatch):
-    with_c, without = _both(native.pack_int4_q8, _int4_parts(n, k, seed=n + k), monkeypatch)
+    with_c, without = _both(native_pack.pack_int4_q8, _int4_parts(n, k, seed=n + k), monkeypatch)
     assert torch.equal(with_c.packed, without.packed) and torch.equal(with_c.scales, without.scales)
     assert (with_c.n, with_c.k, with_c.q8) == (without.n, without.k, without.q8) == (n, k, True)
 
@@ -69,16 +70,16 @@ def test_every_byte_of_a_code_reaches_the_4_bit_layout(monkeypatch):
     # Codes with all 8 bits in use (not only 0..15) still pack alike: the
     # two packers truncate the high nibble's shift the same way.
     parts = Int4Parts(torch.arange(16 * 3 * 64, dtype=torch.int64).remainder(256).to(torch.uint8).view(48, 64), torch.ones(48, 2), torch.zeros(48, 2))
-    with_c, without = _both(native.pack_int4_q8, parts, monkeypatch)
+    with_c, without = _both(native_pack.pack_int4_q8, parts, monkeypatch)
     assert torch.equal(with_c.packed, without.packed)
 
 
 @needs_library
 def test_a_weight_packed_by_c_computes_what_the_numpy_one_does(monkeypatch):
-    if not (native.library().trioserve_int4_q8_available() and native.library().trioserve_int6_q8_available()):
+    if not (native_build.library().trioserve_int4_q8_available() and native_build.library().trioserve_int6_q8_available()):
         pytest.skip("the int8-activation kernels need AVX2 or AVX-512 VNNI or NEON dot products")
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
-    c4, n4 = _both(native.pack_int4_q8, _int4_parts(80, 96, seed=1), monkeypatch)
+    c4, n4 = _both(native_pack.pack_int4_q8, _int4_parts(80, 96, seed=1), monkeypatch)
     assert torch.equal(native.int4_q8_matmul(c4, x), native.int4_q8_matmul(n4, x))
     c6, n6 = _both(pack_int6_q8, _int6_parts(80, 96, seed=2, symmetric=False), monkeypatch)
     assert torch.equal(native.int6_q8_matmul(c6, x), native.int6_q8_matmul(n6, x))
@@ -173,7 +174,7 @@ def _packed_three_ways(fused, pack, monkeypatch):
     with np.errstate(all="ignore"):
         direct, unpacked = pack(rows), pack(rows.parts())
         monkeypatch.setenv(NATIVE_KERNELS_ENV, "false")
-        assert native.library() is None
+        assert native_build.library() is None
         fallback = pack(fused())
         monkeypatch.delenv(NATIVE_KERNELS_ENV)
     for other in (unpacked, fallback):
@@ -198,7 +199,7 @@ def test_4_bit_rows_are_laid_out_from_the_blocks_as_from_their_codes(qtype, tile
     first, second = _q4_tensor(qtype, 16 * tiles - 8, k, rng), _q4_tensor(qtype, 8, k, rng)
     order = rng.permutation(first.shape[0])
     fused = lambda: concat_rows([Int4Rows.of(first, qtype).take_rows(order), Int4Rows.of(second, qtype)])  # noqa: E731
-    pack = lambda w: native.pack_int4_q8_rows(w) if isinstance(w, Int4Rows) else native.pack_int4_q8(w)  # noqa: E731
+    pack = lambda w: native_pack.pack_int4_q8_rows(w) if isinstance(w, Int4Rows) else native_pack.pack_int4_q8(w)  # noqa: E731
     direct, rows = _packed_three_ways(fused, pack, monkeypatch)
     assert (direct.n, direct.k, direct.q8) == (16 * tiles, k, True)
     with np.errstate(all="ignore"):

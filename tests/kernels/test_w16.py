@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trioserve.config import CPU_FEATURES_ENV
-from trioserve.kernels import native
+from trioserve.kernels import native, native_build
 from trioserve.kernels.cpu import level_fits
 from trioserve.kernels.w16 import concat_rows16, pack_w16, parts_from_w16, w16_matmul
 
@@ -76,7 +76,7 @@ def test_the_kernel_matches_its_twin_with_the_same_bits_at_every_level(kind, row
 def test_the_pack_and_the_kernel_refuse_what_they_cannot_take():
     with pytest.raises(ValueError, match="cannot stack F16 and BF16"):
         concat_rows16([_parts("F16", 16, 8, seed=1), _parts("BF16", 16, 8, seed=1)])
-    if native.library() is None:
+    if native_build.library() is None:
         return
     pack = pack_w16(_parts("F16", 32, 64, seed=2))
     with pytest.raises(RuntimeError, match=r"w16_matmul: x \(2, 32\) does not have the weight's 64 inputs"):

@@ -16,7 +16,8 @@ from tests.k_quants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
 from trioserve.kernels import native
-from trioserve.kernels.int4 import Projection, StackedProjection, parts_from_gguf
+from trioserve.kernels.int4 import parts_from_gguf
+from trioserve.kernels.projection import Projection, StackedProjection
 from trioserve.kernels.int6 import Int6Pack, Int6Parts, parts_from_gguf6
 from trioserve.kernels.int8w import Int8CodesPack, Int8Parts
 from trioserve.models.checkpoint import load_checkpoint

@@ -12,7 +12,7 @@ from tests.tiny_model import TINY
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.kernels import native
-from trioserve.kernels.int4 import Projection
+from trioserve.kernels.projection import Projection
 from trioserve.kernels.int8w import Int8CodesPack, Int8Parts
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trioserve.kernels import native
+from trioserve.kernels import native, native_build
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
@@ -84,7 +84,7 @@ def test_a_quantized_or_16_bit_model_holds_about_its_file_size(tmp_path, qtype):
     sixteen = qtype in ("f16", "bf16")
     if not sixteen and not native.int4_q8_supported(16, 32):
         pytest.skip("no int8-activation C kernel here: the 4- and 8-bit rows need dense weights")
-    if native.library() is None:
+    if native_build.library() is None:
         pytest.skip("the C kernels do not build here (no C compiler): F16 layers are held in float32")
     path = tmp_path / "m.gguf"
     if qtype in ("q4_k", "bf16"):

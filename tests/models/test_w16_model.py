@@ -15,8 +15,8 @@ from tests.tiny_model import TINY, tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
-from trioserve.kernels import native
-from trioserve.kernels.int4 import Projection
+from trioserve.kernels import native_build
+from trioserve.kernels.projection import Projection
 from trioserve.kernels.w16 import W16Pack
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
@@ -24,7 +24,7 @@ from trioserve.models.step import SeqChunk, build_step
 from trioserve.types import GenerateRequest, SamplingParams, TokenEvent
 
 Q = gguf.GGMLQuantizationType
-needs_kernels = pytest.mark.skipif(native.library() is None, reason="the C kernels do not build here (no C compiler)")
+needs_kernels = pytest.mark.skipif(native_build.library() is None, reason="the C kernels do not build here (no C compiler)")
 
 
 @pytest.fixture(scope="module")

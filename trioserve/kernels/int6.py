@@ -52,7 +52,7 @@ class Int6Parts:
 class Int6Rows(BlockRows):
     """A weight of up to 6-bit codes still in its GGUF blocks
     (`layout.BlockRows`): laid out for the kernel straight from them
-    (`pack_int6_q8`, by `native.pack_int6_q8_rows`), read as `Int6Parts`
+    (`pack_int6_q8`, by `native_pack.pack_int6_q8_rows`), read as `Int6Parts`
     (``u``, ``d``, ``m``, unpacked once when first asked for) everywhere else."""
 
     TYPES = {name: (_BYTES[name], _WEIGHTS[name]) for name in INT6_TYPES}
@@ -106,7 +106,7 @@ def _codes6(raw: np.ndarray, qtype_name: str) -> tuple[np.ndarray, np.ndarray, n
     """`parts_from_gguf6` for one slice of rows: u [rows, K] uint8, d and m
     [rows, K / 16]. The codes are read from the blocks' bits (a group whose
     scale is 0 gets codes 0, as a code there means nothing)."""
-    from trioserve.kernels.native import unpack_codes6  # lazily: native's neighbours import this module
+    from trioserve.kernels.native_pack import unpack_codes6  # lazily: native_pack's neighbours import this module
 
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, _BYTES[qtype_name])
@@ -192,7 +192,7 @@ def pack_int6_q8(parts: Int6Parts | Int6Rows, *, symmetric: bool | None = None) 
     A weight still in its file's blocks is laid out from them by the C
     library where it is loaded (the same bytes), else unpacked first."""
     if isinstance(parts, Int6Rows):
-        from trioserve.kernels.native import pack_int6_q8_rows  # native imports this module's neighbours; lazily
+        from trioserve.kernels.native_pack import pack_int6_q8_rows  # native_pack imports this module's neighbours; lazily
 
         packed = pack_int6_q8_rows(parts, symmetric)
         if packed is not None:
@@ -210,7 +210,7 @@ def pack_int6_q8(parts: Int6Parts | Int6Rows, *, symmetric: bool | None = None) 
     # Whole groups of tiles a slice, so that the passing copies stay small.
     step = 16 * TILE_GROUPS * max(1, _ROWS_AT_ONCE // (16 * TILE_GROUPS * k))
     # Each slice's bytes and scales follow the last one's, written in place.
-    from trioserve.kernels.native import grouped_codes  # native imports this module's neighbours; lazily
+    from trioserve.kernels.native_pack import grouped_codes  # native_pack imports this module's neighbours; lazily
 
     packed = grouped_codes(u, 6, TILE_GROUPS)  # the C packer, in one pass; else numpy, by slices
     by_slices = packed is None

@@ -45,7 +45,7 @@ class Int8Parts:
 class Q8Rows(BlockRows):
     """A Q8_0 weight still in its GGUF blocks (`layout.BlockRows`): laid
     out for the kernel straight from them (`pack_int8_q8`, by
-    `native.pack_int8_q8_rows`), read as `Int8Parts` (``c``, ``d``,
+    `native_pack.pack_int8_q8_rows`), read as `Int8Parts` (``c``, ``d``,
     unpacked once when first asked for) everywhere else."""
 
     TYPES = {"Q8_0": (_BYTES, BLOCK)}
@@ -89,7 +89,7 @@ def pack_int8_q8(parts: Int8Parts | Q8Rows) -> Int8CodesPack:
     blocks is laid out from them by the C library where it is loaded (the
     same bytes), else unpacked first."""
     if isinstance(parts, Q8Rows):
-        from trioserve.kernels.native import pack_int8_q8_rows  # native imports this module's neighbours; lazily
+        from trioserve.kernels.native_pack import pack_int8_q8_rows  # native_pack imports this module's neighbours; lazily
 
         packed = pack_int8_q8_rows(parts)
         if packed is not None:

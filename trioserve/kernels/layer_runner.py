@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from trioserve.kernels import int6, int8w, native, w16
-from trioserve.kernels.int4 import Projection, StackedProjection
+from trioserve.kernels import int6, int8w, native_pack, w16
+from trioserve.kernels.projection import Projection, StackedProjection
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 MAX_PARTS = 4  # TS_MAX_PARTS: the most types one fused projection mixes
@@ -79,7 +79,7 @@ def _mat(p: Projection, lib) -> _Mat | None:
         kind = INT6S_Q8 if pack.symmetric else INT6_Q8
     elif isinstance(pack, int8w.Int8CodesPack):
         kind = INT8_Q8
-    elif isinstance(pack, native.Int4Pack) and pack.q8:
+    elif isinstance(pack, native_pack.Int4Pack) and pack.q8:
         kind = INT4_Q8
     else:
         return None

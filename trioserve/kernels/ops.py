@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from trioserve.config import check_choice
 from trioserve.kernels import reference
-from trioserve.kernels.int4 import Int4Parts, Int4Rows, Projection
+from trioserve.kernels.int4 import Int4Parts, Int4Rows
+from trioserve.kernels.projection import Projection
 
 
 class Kernels:
@@ -43,7 +44,7 @@ class Kernels:
 
     def projection(self, weight: torch.Tensor, bias: torch.Tensor | None, int4: Int4Parts | None) -> Projection:
         """A projection y = x W^T (+ bias) whose generated tokens' rows use
-        the 4-bit codes ``int4`` where given (kernels/int4.Projection):
+        the 4-bit codes ``int4`` where given (kernels/projection.Projection):
         here torch's CPU int4 op (or, with int8 activations, the torch twin
         of the C kernel), on a CPU, for bf16 or float32 weights."""
         return Projection(weight, bias, int4, use_native=False, activations=self.activations)
@@ -109,11 +110,11 @@ class NativeKernels(Kernels):
     name = "native"
 
     def __init__(self, attention_in_c: bool, activations: str = "bf16") -> None:
-        from trioserve.kernels import native
+        from trioserve.kernels import native, native_build
 
         super().__init__(activations)
         self._native = native
-        self._lib = native.library()  # pinned: the hot path does not read the environment
+        self._lib = native_build.library()  # pinned: the hot path does not read the environment
         self.reads_in_place = attention_in_c
 
     @property
@@ -234,11 +235,11 @@ def select_kernels(
         if activations == "int8":
             raise ValueError("--activations int8 runs on a CPU (the C kernel or its torch twin); the Triton kernels take bf16 activations")
         return TritonKernels()
-    from trioserve.kernels import native
+    from trioserve.kernels import native, native_build
 
     if choice == "reference":
         return Kernels("bf16" if activations == "auto" else activations)
-    native_here = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.library() is not None
+    native_here = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native_build.library() is not None
     int8_here = native_here and native.int4_q8_supported(16, 32)
     if activations == "auto":
         activations = "int8" if int8_here else "bf16"

@@ -44,7 +44,7 @@ class W16Parts:
 class W16Rows(BlockRows):
     """An F16 or BF16 weight still in its GGUF file (`layout.BlockRows`,
     blocks of one value): laid out for the kernel straight from the
-    file's rows (`pack_w16`, by `native.pack_w16_rows`), read as
+    file's rows (`pack_w16`, by `native_pack.pack_w16_rows`), read as
     `W16Parts` (``bits``, unpacked once when first asked for) everywhere
     else. Its values are checked finite at load (`check_finite16`)."""
 
@@ -110,7 +110,7 @@ def pack_w16(parts: W16Parts | W16Rows) -> W16Pack:
     out from the file's rows by the C library where it is loaded (the same
     bytes), else unpacked first."""
     if isinstance(parts, W16Rows):
-        from trioserve.kernels.native import pack_w16_rows  # native imports this module's neighbours; lazily
+        from trioserve.kernels.native_pack import pack_w16_rows  # native_pack imports this module's neighbours; lazily
 
         packed = pack_w16_rows(parts)
         if packed is not None:

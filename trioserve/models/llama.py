@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels import memory, native
-from trioserve.kernels.int4 import DenseLater, Int4Parts, Int8Rows, Projection, StackedProjection, concat_rows, float_logits_mm, tiled_head
+from trioserve.kernels.int4 import Int4Parts, concat_rows
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.int8w import Int8Parts, concat_rows8
 from trioserve.kernels.layer_runner import LayerRunner
 from trioserve.kernels.w16 import W16Parts, concat_rows16, pack_w16
 from trioserve.kernels.ops import Kernels, select_kernels
+from trioserve.kernels.projection import DenseLater, Int8Rows, Projection, StackedProjection
+from trioserve.kernels.tiled import float_logits_mm, tiled_head
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.config import ModelConfig, RopeScaling
 from trioserve.models.step import StepBatch
@@ -182,7 +184,7 @@ class LlamaModel:
                 return torch.cat([w(n) for n in names]).contiguous()
 
             if parts is not None and self.device.type == "cpu" and self.kernels.name != "triton":
-                # Made only if a path reads the dense values (kernels/int4.DenseLater).
+                # Made only if a path reads the dense values (kernels/projection.DenseLater).
                 return self.kernels.projection(DenseLater(parts.shape, self.dtype, self.device, dense), bias, parts)
             return self.kernels.projection(dense(), bias, parts)
 

@@ -1,6 +1,6 @@
 /* CPU kernels for the forward pass, each a twin of a torch reference in
  * kernels/reference.py (tests/kernels/test_native.py). Built by
- * trioserve/kernels/native.py with the system C compiler.
+ * trioserve/kernels/native_build.py with the system C compiler.
  *
  *   trioserve_decode_attention  paged attention of query rows over the block pool (decode rows and
  *                               prompt rows; its comment below has the layouts)
@@ -884,7 +884,7 @@ int trioserve_rope_write_kv(const void *qkv, const int64_t *positions, const flo
  * blocks, w = q d + m (q in 0..15; d and m per 32 inputs, stored as f16,
  * which holds GGUF's own f16 values exactly).
  *
- * Layout (kernels/native.py `pack_int4` writes it): the N outputs go in
+ * Layout (kernels/native_pack.py `pack_int4` writes it): the N outputs go in
  * panels of 32 (two tiles of 16), and for panel p, block b, tile u:
  *   packed  [N/32][K/32][2][8][16][2] bytes: chunk c, column i, t in {0, 1}
  *           hold q(k = 2c + t) in the low nibble and q(k = 16 + 2c + t) in
@@ -1035,9 +1035,9 @@ int trioserve_int4_matmul(const uint8_t *packed, const uint16_t *scales, const v
 }
 
 /* The output head: y = (x W^T) scale, W int8 [N, K] with one fp32 scale per
- * output (kernels/int4.py `Int8Rows`; the bf16 scale, widened).
+ * output (kernels/projection.py `Int8Rows`; the bf16 scale, widened).
  *
- * Layout (native.py `pack_int8` writes it): packed [N/32][K/2][2][16][2]
+ * Layout (native_pack.py `pack_int8` writes it): packed [N/32][K/2][2][16][2]
  * int8, panel p, input pair j, tile u, column i, t: W[32p + 16u + i][2j + t].
  * Arithmetic, the same for every row whatever the others: the codes are
  * widened to bf16 (exact: |q| <= 127), multiplied by the bf16 inputs in
@@ -1121,7 +1121,7 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
  * where llama.cpp uses the rounded one). Blocks run in order, so a row's
  * result depends on that row alone, in any company and on any thread.
  *
- * Layout (kernels/native.py `pack_int4_q8` writes it): the N outputs go in
+ * Layout (kernels/native_pack.py `pack_int4_q8` writes it): the N outputs go in
  * tiles of 16 (one vector of int32 sums), the tiles in groups of three (the
  * last group may hold fewer), and for group g of T tiles, block b, tile t,
  * quad j:
@@ -2472,7 +2472,7 @@ int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64
     return 0;
 }
 
-/* ---- A step's decoder layers in one call (kernels/native.py `LayerRunner`) ----
+/* ---- A step's decoder layers in one call (kernels/layer_runner.py `LayerRunner`) ----
  *
  * models/llama.py `_residual` calls the kernels above one at a time, about
  * nine a layer; each call costs a few microseconds of Python and ctypes,
@@ -2675,7 +2675,7 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
    (drawn above each) made from codes one a byte, u [n, k] (n a multiple of 16,
    k of 32): tiles of 16 outputs in groups of `group` tiles (the last group
    may hold fewer), each group block by block across its tiles. The same
-   bytes as the numpy packers in kernels/native.py (pack_int4_q8) and
+   bytes as the numpy packers in kernels/native_pack.py (pack_int4_q8) and
    kernels/int6.py (pack_int6_q8), which run where this library does not;
    tests/kernels/test_pack_layout.py holds the two together. Groups are
    independent, so they are shared among `threads`. */
@@ -2849,7 +2849,7 @@ void trioserve_q4_k_scales(const uint8_t *raw, int64_t supers, float *scale, flo
    order are in the pointers). kind 0 Q4_0 (18-byte blocks: f16 d, 16
    nibble bytes), 1 Q4_1 (20: f16 d, f16 m, 16), 2 Q4_K (144-byte
    super-blocks of 256). codes: `trioserve_pack_int4_q8_codes`'s bytes;
-   scales [group][K/32][tiles][d, m][16] f16, as kernels/native.py
+   scales [group][K/32][tiles][d, m][16] f16, as kernels/native_pack.py
    `pack_int4_q8` writes them, with the same float steps (Int4Parts' scale
    and zero, then m = zero - 8 d, both rounded to f16), so the same bits.
    A Q4_0/Q4_1 tile byte is the file's nibble byte as it is: input 4 j + e

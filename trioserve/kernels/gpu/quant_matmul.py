@@ -1,9 +1,9 @@
 """Weight-only matmul straight from GGUF's quantized layouts: y = x @ W.T
 with W's 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) codes dequantized tile by tile
 in registers and the products summed in fp32. The CUDA counterpart of
-`int4.Projection`'s 4-bit path (the block projections, Q4_1 in the default
-model) and of `int4.Int8Rows` (the output head, tied to the Q8_0
-embedding), reading the file's own blocks instead of a CPU repacking.
+`projection.Projection`'s 4-bit path (the block projections, Q4_1 in the
+default model) and of `projection.Int8Rows` (the output head, tied to the
+Q8_0 embedding), reading the file's own blocks instead of a CPU repacking.
 
 Device layouts (every tensor contiguous, on the weight's device):
 
