@@ -292,8 +292,8 @@ def check_dropped_within_one_step(watcher: Watcher, at_cancel, still_reserved: i
     step after the consumer left (``left``: the statistics when its task had
     closed its events; by default ``at_cancel``, taken just before): the
     step the worker may have been running then is finished and counted,
-    and the very next loop iteration drops the request (the consumer's
-    closed event channel is seen there, even without the Cancel message).
+    and the very next loop iteration drops the request (the consumer told
+    the scheduler it left, `Scheduler.leave`, as its generation closed).
     Its blocks are back in the pool in that same snapshot, while nothing
     else started or finished. (A scope cancelled from another task leaves
     only when that task next runs; a tiny model's steps are short enough to

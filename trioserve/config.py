@@ -242,7 +242,7 @@ def native_kernels_setting(environ: Mapping[str, str]) -> bool:
 
 
 CPU_FEATURES_ENV = "TRIOSERVE_CPU_FEATURES"
-# The instruction-set levels the C kernels can be built for (kernels/native.py
+# The instruction-set levels the C kernels can be built for (kernels/native_build.py
 # `LEVELS` has each one's compiler flags): "native" is everything this CPU has.
 CPU_FEATURE_LEVELS = ("native", "avx2-vnni", "avx2", "generic")
 
@@ -265,7 +265,7 @@ def settings_from_env(environ: dict[str, str]) -> ServerSettings:
     """ServerSettings from TRIOSERVE_* variables (for `hypercorn -k trio
     'trioserve.http.app:create_app()'`). A bad value is a ValueError naming
     the variable."""
-    native_kernels_setting(environ)  # read by kernels/native.py; a bad value stops here, by name
+    native_kernels_setting(environ)  # read by kernels/native_build.py; a bad value stops here, by name
     engine: dict = {}
     server: dict = {}
     for opt in OPTIONS:  # those with a variable (trioserve/options.py); unset or empty ones are left to the default

@@ -21,7 +21,7 @@ import torch
 import trio
 
 from trioserve.actors.device import DeviceThread, open_device_thread, release_openmp_threads
-from trioserve.actors.messages import Cancel, SchedulerMessage, StepRequest, Submit
+from trioserve.actors.messages import SchedulerMessage, StepRequest, Submit
 from trioserve.actors.scheduler import Scheduler, run_scheduler
 from trioserve.actors.worker import run_worker
 from trioserve.config import EngineConfig
@@ -125,8 +125,8 @@ class Generation:
 
     The edge of the engine: a request without a seed gets a fresh one
     here, so everything past this point is deterministic. Its cleanup is
-    synchronous: a best-effort Cancel to wake the scheduler, then closing
-    the event channel, which is what the scheduler relies on."""
+    synchronous and never blocks: it tells the scheduler it left
+    (`Scheduler.leave`), then closes the event channel."""
 
     def __init__(self, engine: Engine, request: GenerateRequest) -> None:
         check_request(request, engine.tokenizer.vocab_size)
@@ -135,6 +135,7 @@ class Generation:
         self.request = request
         self.request_id = request.request_id or f"req-{secrets.token_hex(8)}"
         self._inbox = engine._inbox
+        self._scheduler = engine._scheduler
         events_send, events = trio.open_memory_channel[Event](request.params.max_tokens + 2)
         self._events_send = events_send
         self._reply_send, self._reply = trio.open_memory_channel[BaseException | None](1)
@@ -176,8 +177,7 @@ class Generation:
         """Stop: cancel the request if it has not ended, and let go of its
         channels. Idempotent; never blocks."""
         if not self.stream.finished and not self.stream.closed:
-            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                self._inbox.send_nowait(Cancel(self.request_id))
+            self._scheduler.leave(self.request_id)
         self.stream.close()
         self._reply.close()
 

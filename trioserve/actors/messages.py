@@ -19,12 +19,7 @@ class Submit:
     reply: trio.MemorySendChannel[BaseException | None]  # one message: None (accepted) or the refusal
 
 
-@attrs.frozen
-class Cancel:
-    request_id: str
-
-
-SchedulerMessage = Submit | Cancel
+SchedulerMessage = Submit  # a consumer that leaves tells the scheduler directly (Scheduler.leave)
 
 
 # -- worker inbox --------------------------------------------------------------

@@ -2,23 +2,24 @@
 every decision (core/engine_core.py).
 
 It runs two tasks over one core. `intake` answers the inbox at once
-(accepting or refusing submissions, passing on cancellations) even while a
-step is running. `steps` loops: turn consumers that went away into
-cancellations; ask the core for the next plan; send it to the worker, whose
+(accepting or refusing submissions) even while a step is running; a
+consumer that leaves says so through `leave`, which never blocks. `steps`
+loops: ask the core for the next plan; send it to the worker, whose
 step result comes back here; hand the
 result to the core; publish what it returns. Every call into the core
 carries the time read here, and every such call is the one boundary a
 recording sees (core/trace.py).
 
 Publishing never blocks: each request's event channel holds max_tokens + 2
-events. A request whose consumer closed its event channel is cancelled, so a
-cancellation cannot be lost even when the inbox is full."""
+events. A request whose consumer left (`leave`, called as its generation
+closes, or its event channel found closed when publishing) is cancelled;
+neither needs room in the inbox, so a cancellation cannot be lost."""
 
 from __future__ import annotations
 
 import trio
 
-from trioserve.actors.messages import Cancel, SchedulerMessage, StepRequest, Submit, deliver
+from trioserve.actors.messages import SchedulerMessage, StepRequest, Submit, deliver
 from trioserve.core.engine_core import EngineCore
 from trioserve.errors import EngineClosed
 from trioserve.state.stats import EngineStats
@@ -26,8 +27,9 @@ from trioserve.types import Event, FinalEvent, StepResult
 
 
 class Scheduler:
-    """The actor's state. Only its own two tasks and `settle` (called from
-    other tasks on the same event loop, never blocking) touch the core;
+    """The actor's state. Only its own two tasks, `settle` and `leave`
+    (called from other tasks on the same event loop, never blocking) touch
+    the core;
     others read `snapshot()`, a frozen record of the statistics. It is made
     when first asked for after a change (the core's latency windows are
     thousands of values), so a step with no reader pays nothing for it, and
@@ -48,10 +50,7 @@ class Scheduler:
         will never come."""
         try:
             async for message in inbox:
-                if isinstance(message, Submit):
-                    self._submit(message)
-                elif isinstance(message, Cancel):
-                    self.core.cancel(message.request_id, self.clock())
+                self._submit(message)
                 self.wake.set()
         finally:
             _refuse_queued(inbox)
@@ -74,11 +73,18 @@ class Scheduler:
         self.core.settle(owner, order, request_id, self.clock())
         self.wake.set()
 
+    def leave(self, request_id: str) -> None:
+        """The consumer of ``request_id``'s events left before its end:
+        the core cancels it (dropped from the next plan on). Nothing for a
+        request not (or no longer) running."""
+        if request_id in self.channels:
+            self.core.cancel(request_id, self.clock())
+            self.wake.set()
+
     # -- the loop ----------------------------------------------------------
     async def steps(self) -> None:
         while True:
             self.wake = trio.Event()
-            self._notice_gone()
             events, plan = self.core.plan(self.clock())
             self._publish(events)
             self._refresh()
@@ -88,11 +94,6 @@ class Scheduler:
             result = await self._run(plan)
             self._publish(self.core.result(result, self.clock()))
             self._refresh()
-
-    def _notice_gone(self) -> None:
-        for rid, channel in self.channels.items():
-            if channel.statistics().open_receive_channels == 0:
-                self.core.cancel(rid, self.clock())
 
     async def _run(self, plan) -> StepResult:
         send, receive = trio.open_memory_channel[StepResult](1)

@@ -3,17 +3,20 @@ owns that turn from the moment the session is pinned until it is settled:
 the turn's generation runs in the actor's nursery, and the actor alone
 commits it or cancels it, exactly once.
 
-    handler ──RunTurn(prepare, outcome, stream, replies)──► SessionActor ──► engine
-       ▲                  Pull (one per chunk)                  │
-       └───── Answer | Opened, Chunk... | Failed (replies) ◄────┘
+    handler ──RunTurn(prepare, outcome, stream)──► SessionActor ──► engine
+       ▲               Pull (one per chunk)            │
+       └──── Answer | Opened, Chunk... | Failed ◄──────┘
+                        (TurnLine)
 
 `SessionActors.begin` pins the session in the store (a second turn is a
-409 at once, never queued), opens the actor's one inbox and starts the
-actor in the nursery the app owns; the handler holds the inbox's only send
-end. The handler sends one `RunTurn`; a buffered turn's whole answer comes
-back on the reply channel the message carries; a streamed turn answers
-`Opened`, then one `Chunk` per `Pull`, so the body advances only as fast as
-the client takes it, as a body generator in the handler would.
+409 at once, never queued), opens the actor's inbox and its reply channel
+and starts the actor in the nursery the app owns; the handler holds the
+only other ends, as a `TurnLine`. The handler sends one `RunTurn`; a
+buffered turn's whole answer comes back as one reply; a streamed turn
+answers `Opened`, then one `Chunk` per `Pull`, so the body advances only as
+fast as the client takes it, as a body generator in the handler would. The
+handler leaves by hanging up its line (`TurnLine.hang_up`), which the actor
+sees at once.
 
 Commit point: the job calls ``on_final`` right before its final response is
 made (the JSON body, or the last SSE chunk, made only once the client asked
@@ -74,13 +77,11 @@ class TurnJob(Protocol):
 # -- the session actor's inbox ------------------------------------------------
 @attrs.frozen
 class RunTurn:
-    """Run the pinned session's turn; what it produces goes to ``replies``
-    (whose send end the actor then owns and closes)."""
+    """Run the pinned session's turn; what it produces goes back on the line."""
 
     prepare: Callable[[Session, Callable[[Any], None]], Awaitable[TurnJob]]  # the generation, from the pinned session and the commit hook
     outcome: Callable[[Any], Turn]  # what the turn adds, from its final choice
     stream: bool
-    replies: trio.MemorySendChannel[TurnOutput]  # bound 1: one output per RunTurn or Pull
 
 
 @attrs.frozen
@@ -91,7 +92,7 @@ class Pull:
 SessionMessage = RunTurn | Pull
 
 
-# -- what the actor answers, on the channel RunTurn carries -------------------
+# -- what the actor answers, on the line's reply channel ----------------------
 @attrs.frozen
 class Answer:
     """The whole response of a buffered turn (or the job's own error response)."""
@@ -120,17 +121,35 @@ class Failed:
 TurnOutput = Answer | Opened | Chunk | Failed
 
 
+class TurnLine:
+    """The handler's ends of one turn: the actor's inbox (bound 1: one
+    RunTurn, then one Pull at a time) and the replies (bound 1: one output
+    per RunTurn or Pull). The actor holds the other ends and this same
+    line: `hang_up` is how it learns, at once, that the handler left."""
+
+    def __init__(self, inbox: trio.MemorySendChannel[SessionMessage], replies: trio.MemoryReceiveChannel[TurnOutput]) -> None:
+        self.inbox = inbox
+        self.replies = replies
+        self.attached = True
+
+    def hang_up(self) -> None:
+        """The handler is done (the client left, or took the whole
+        response): close its ends. Synchronous, idempotent, never raises."""
+        self.attached = False
+        self.inbox.close()
+        self.replies.close()
+
+
 class SessionActor:
     """One turn of one session, from its pin to its settlement."""
 
-    def __init__(self, lease: TurnLease, store: SessionStore, engine: Engine, pull_timeout_s: float) -> None:
+    def __init__(self, lease: TurnLease, store: SessionStore, engine: Engine, pull_timeout_s: float, line: TurnLine) -> None:
         self.lease = lease
+        self.line = line  # the handler's side: whether it is still there
         self.store = store
         self.engine = engine
         self.pull_timeout_s = pull_timeout_s  # the longest the actor waits for the handler to ask
         self.request_id: str | None = None  # the turn's engine request, once the job is built
-        self._inbox: trio.MemoryReceiveChannel[SessionMessage] | None = None
-        self._replies: trio.MemorySendChannel[TurnOutput] | None = None
         self._pulls = 0  # Pulls received and not yet answered
         self._pulled = trio.Event()
 
@@ -138,21 +157,19 @@ class SessionActor:
     def session(self) -> Session:
         return self.lease.session
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[SessionMessage]) -> None:
+    async def run(self, inbox: trio.MemoryReceiveChannel[SessionMessage], replies: trio.MemorySendChannel[TurnOutput]) -> None:
         """Serve one RunTurn, listening to ``inbox`` all along: when the
         handler closes its end, the turn is cancelled at once."""
-        self._inbox = inbox
         try:
-            async with inbox:
+            async with inbox, replies:
                 order = None
                 with trio.move_on_after(self.pull_timeout_s):
                     with contextlib.suppress(trio.EndOfChannel):
                         order = await inbox.receive()
                 if not isinstance(order, RunTurn):
                     return  # the handler left (or never asked): nothing ran
-                self._replies = order.replies
-                async with order.replies, trio.open_nursery() as nursery:
-                    nursery.start_soon(self._turn, order, nursery.cancel_scope)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._turn, order, replies, nursery.cancel_scope)
                     await self._listen(inbox)
                     nursery.cancel_scope.cancel()  # the handler is gone: end the turn (closing its generation)
         finally:
@@ -167,17 +184,16 @@ class SessionActor:
             self._pulls += 1
             self._pulled.set()
 
-    async def _turn(self, order: RunTurn, done: trio.CancelScope) -> None:
+    async def _turn(self, order: RunTurn, replies: trio.MemorySendChannel[TurnOutput], done: trio.CancelScope) -> None:
         try:
-            await self._produce(order)
+            await self._produce(order, replies)
         except Exception as exc:  # noqa: BLE001 - a failure of this turn only; the handler reports it
             self._settle()
-            deliver(order.replies, Failed(exc))
+            deliver(replies, Failed(exc))
         finally:
             done.cancel()  # the turn is over: stop listening
 
-    async def _produce(self, order: RunTurn) -> None:
-        replies = order.replies
+    async def _produce(self, order: RunTurn, replies: trio.MemorySendChannel[TurnOutput]) -> None:
         try:
             job = await order.prepare(self.session, lambda choice: self._commit(order, choice))
         except Exception as exc:  # noqa: BLE001 - a bad request: nothing was submitted
@@ -227,21 +243,11 @@ class SessionActor:
             return True
         return False
 
-    def _attached(self) -> bool:
-        """The handler still holds its ends (it has not left)."""
-        inbox, replies = self._inbox, self._replies
-        return (
-            inbox is not None
-            and replies is not None
-            and inbox.statistics().open_send_channels > 0
-            and replies.statistics().open_receive_channels > 0
-        )
-
     def _commit(self, order: RunTurn, choice: Any) -> None:
         """The final response is being made: the turn becomes history, and
         its KV the session's. Not if the handler left first: then the turn
         is cancelled on the way out, as if the client left a moment earlier."""
-        if not self._attached():
+        if not self.line.attached:
             return
         self.store.commit(self.lease, order.outcome(choice), trio.current_time())  # StaleTurn if it ended already
         self.engine.settle_retained(self.session.id, self.request_id, commit=True)
@@ -263,21 +269,23 @@ class SessionActors:
         self.pull_timeout_s = pull_timeout_s
         self.closed = False
 
-    def begin(self, session_id: str, now: float) -> trio.MemorySendChannel[SessionMessage]:
-        """Pin ``session_id`` for a turn and start its actor; the inbox's
-        only send end. Raises SessionNotFound, SessionBusy (at once, never
+    def begin(self, session_id: str, now: float) -> TurnLine:
+        """Pin ``session_id`` for a turn and start its actor; the handler's
+        line to it. Raises SessionNotFound, SessionBusy (at once, never
         queued), or EngineClosed once the app is stopping."""
         if self.closed:
             raise EngineClosed("the server is shutting down")
         lease = self.store.begin(session_id, now)
-        send, inbox = trio.open_memory_channel[SessionMessage](1)  # one RunTurn, then one Pull at a time
-        actor = SessionActor(lease, self.store, self.engine, self.pull_timeout_s)
+        send, inbox = trio.open_memory_channel[SessionMessage](1)
+        replies_send, replies = trio.open_memory_channel[TurnOutput](1)
+        line = TurnLine(send, replies)
+        actor = SessionActor(lease, self.store, self.engine, self.pull_timeout_s, line)
         try:
-            self._nursery.start_soon(actor.run, inbox, name=f"session {session_id}")
+            self._nursery.start_soon(actor.run, inbox, replies_send, name=f"session {session_id}")
         except RuntimeError:  # the nursery is closed: the app is stopping
             self.store.cancel(lease, now)
             raise EngineClosed("the server is shutting down") from None
-        return send
+        return line
 
 
 @contextlib.asynccontextmanager

@@ -17,9 +17,9 @@ which generates, commits or cancels. This handler pins the session through
 `SessionActors.begin` (409 at once when busy), hands the turn over
 (`RunTurn`) and relays what the actor answers: the JSON body, or the SSE
 chunks, each pulled when the last one has gone out. When the client leaves,
-the handler's ends of the two channels close (the body's own close, or the
-end of the request when the body never started) and the actor cancels the
-turn in its own task."""
+the handler hangs up its line to the actor (`TurnLine`: in the body's own
+close, or at the end of the request when the body never started) and the
+actor cancels the turn in its own task."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 import trio
 from quart import Response
 
-from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, SessionMessage, TurnOutput
+from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, TurnLine, TurnOutput
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
@@ -148,7 +148,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 raise EngineClosed("the server is shutting down")
             # Pins the session (a second turn is a 409 here, at once) and
             # starts its actor, which owns the turn from now on.
-            inbox = actors.begin(session_id, trio.current_time())
+            line = actors.begin(session_id, trio.current_time())
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
@@ -180,26 +180,20 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 completion_tokens=final.usage.completion_tokens,
             )
 
-        replies_send, replies = trio.open_memory_channel[TurnOutput](1)
-
-        def hang_up() -> None:
-            # Closing our ends is how the actor learns the client left: it
-            # then cancels the turn in its own task. Runs when the body
-            # ends, and in any case when the request is over (a body that
-            # never started runs no cleanup of its own).
-            inbox.close()
-            replies.close()
-
-        at_request_end(hang_up)
-        order = RunTurn(prepare, outcome, req.stream, replies_send)
+        # Hanging up is how the actor learns the client left: it then
+        # cancels the turn in its own task. Runs when the body ends, and in
+        # any case when the request is over (a body that never started runs
+        # no cleanup of its own).
+        at_request_end(line.hang_up)
+        order = RunTurn(prepare, outcome, req.stream)
         try:
-            first = await _ask(inbox, order, replies)
+            first = await _ask(line, order)
         except BaseException:
-            hang_up()  # cancelled: the client left while the turn was starting
+            line.hang_up()  # cancelled: the client left while the turn was starting
             raise
         if isinstance(first, Opened):
-            return sse_response(_relay(inbox, replies))
-        hang_up()
+            return sse_response(_relay(line))
+        line.hang_up()
         if isinstance(first, Answer):
             return first.response
         if isinstance(first, Failed):
@@ -209,34 +203,32 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     return store
 
 
-async def _ask(inbox: trio.MemorySendChannel[SessionMessage], order: RunTurn, replies: trio.MemoryReceiveChannel[TurnOutput]) -> TurnOutput:
+async def _ask(line: TurnLine, order: RunTurn) -> TurnOutput:
     """Hand the turn to its actor; its first output."""
     try:
-        await inbox.send(order)
-    except trio.BrokenResourceError:  # the actor ended already: the app is stopping
-        order.replies.close()
-        return Failed(EngineClosed("the server is shutting down"))
-    try:
-        return await replies.receive()
-    except trio.EndOfChannel:  # the actor ended without an answer: the app is stopping
+        await line.inbox.send(order)
+        return await line.replies.receive()
+    except (trio.BrokenResourceError, trio.EndOfChannel):  # the actor ended: the app is stopping
         return Failed(EngineClosed("the server is shutting down"))
 
 
-async def _relay(inbox: trio.MemorySendChannel[SessionMessage], replies: trio.MemoryReceiveChannel[TurnOutput]) -> AsyncIterator[bytes]:
+async def _relay(line: TurnLine) -> AsyncIterator[bytes]:
     """The streamed turn's body: each chunk asked of the session actor when
-    the last one has gone out. Closing it (the client left) closes both ends,
-    and the actor cancels the turn."""
-    with inbox, replies:
+    the last one has gone out. Closing it (the client left) hangs up, and
+    the actor cancels the turn."""
+    try:
         while True:
             try:
-                await inbox.send(Pull())
-                out = await replies.receive()
+                await line.inbox.send(Pull())
+                out = await line.replies.receive()
             except (trio.BrokenResourceError, trio.EndOfChannel):
                 return  # the actor is done: that was the last chunk
             if isinstance(out, Failed):
                 raise out.error  # a failure mid-stream: the connection is cut, as for any broken body
             assert isinstance(out, Chunk), out
             yield out.data
+    finally:
+        line.hang_up()
 
 
 def _history_message(message: dict) -> dict:
