@@ -508,16 +508,16 @@ def test_full_mapping_passes_validation() -> None:
 
 
 def _size_limits():
-    from trioserve.http import schemas
+    from trioserve.http import constraints, schemas
     from trioserve import types as sampling
 
-    return schemas, sampling
+    return schemas, sampling, constraints
 
 
 def _bounded_cases() -> list[tuple[dict, str, str]]:
-    schemas, sampling = _size_limits()
+    schemas, sampling, constraints = _size_limits()
     chars, total = sampling.MAX_STOP_CHARS, sampling.MAX_STOP_BYTES
-    limit = schemas.MAX_CONSTRAINT_CHARS
+    limit = constraints.MAX_CONSTRAINT_CHARS
     big_schema = {"type": "object", "description": "d" * limit}
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(schemas.MAX_TOOLS + 1)]
     return [
@@ -547,8 +547,8 @@ def test_sizes_are_bounded(index: int) -> None:
 
 
 def test_sizes_at_the_limits_are_accepted() -> None:
-    schemas, sampling = _size_limits()
-    chars, total, limit = sampling.MAX_STOP_CHARS, sampling.MAX_STOP_BYTES, schemas.MAX_CONSTRAINT_CHARS
+    schemas, sampling, constraints = _size_limits()
+    chars, total, limit = sampling.MAX_STOP_CHARS, sampling.MAX_STOP_BYTES, constraints.MAX_CONSTRAINT_CHARS
     stops = ["x" * chars] * (total // chars)
     assert parse_chat_request(chat(stop=stops)).stop == tuple(stops)
     parse_chat_request(chat(stop="é" * chars))
@@ -577,7 +577,7 @@ def test_sizes_at_the_limits_are_accepted() -> None:
     ],
 )
 def test_lone_surrogates_are_refused_with_their_path(body: object, field: str | None, fragment: str) -> None:
-    from trioserve.http.schemas import check_json_body
+    from trioserve.http.structuring import check_json_body
 
     with pytest.raises(RequestError) as caught:
         check_json_body(body)
@@ -587,10 +587,10 @@ def test_lone_surrogates_are_refused_with_their_path(body: object, field: str | 
 
 
 def test_valid_unicode_passes_the_surrogate_check() -> None:
-    from trioserve.http.schemas import check_json_body
+    from trioserve.http.structuring import check_json_body
 
     check_json_body({"messages": [{"role": "user", "content": "emoji 🤖 and CJK 日本 and é"}], "n": 1, "x": None, "y": [True, 2.5]})
-    from trioserve.http.schemas import MAX_JSON_DEPTH
+    from trioserve.http.structuring import MAX_JSON_DEPTH
 
     deep: object = "ok"
     for _ in range(MAX_JSON_DEPTH):
@@ -599,7 +599,7 @@ def test_valid_unicode_passes_the_surrogate_check() -> None:
 
 
 def test_nesting_is_bounded() -> None:
-    from trioserve.http.schemas import MAX_JSON_DEPTH, check_json_body
+    from trioserve.http.structuring import MAX_JSON_DEPTH, check_json_body
 
     deep: object = {"a": "ok"}
     for _ in range(5000):  # far deeper than recursion could walk

@@ -22,7 +22,8 @@ from trioserve.config import ServerSettings
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError
-from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, Tool, ToolChoice, check_json_body, one_call_only, tools_offered
+from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, Tool, ToolChoice, one_call_only, tools_offered
+from trioserve.http.structuring import check_json_body
 from trioserve.http.tools import off_loop
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint

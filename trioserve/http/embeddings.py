@@ -9,7 +9,7 @@ Each input is one embedding request in the engine (`Engine.embed`): a
 prompt prefilled through the scheduler like any other, sharing steps with
 generation, whose result is its pooled, L2-normalised final hidden state
 (--embedding-pooling; docs/embeddings.md). The body is parsed as strictly
-as the other routes' (one cattrs converter from http/schemas.py, every
+as the other routes' (a converter from http/structuring.py, every
 problem a 400 naming its JSON path). Token ids and lengths are checked
 against the model before anything is queued.
 
@@ -40,7 +40,8 @@ from quart import Response
 from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
 from trioserve.http.edge import ServerState, check_model, read_body
 from trioserve.http.errors import HTTPError, error_response
-from trioserve.http.schemas import _field, _got, _Invalid, _is_int, _Nested, _raise_request_error, _record_hook, _token_ids, make_converter
+from trioserve.http.schemas import token_ids
+from trioserve.http.structuring import Invalid, Nested, field, got, is_int, raise_request_error, strict_converter
 from trioserve.http.tools import off_loop
 from trioserve.types import FinalEvent
 
@@ -64,37 +65,37 @@ class Inputs:
 def _parse_input(value: object, _: cattrs.Converter) -> Inputs:
     if isinstance(value, str):
         if not value:
-            raise _Invalid("must not be empty")
+            raise Invalid("must not be empty")
         return Inputs((value,), single=True)
     if not isinstance(value, list):
-        raise _Invalid(f"expected a string, a list of strings, a list of token ids or a list of lists of token ids, got {_got(value)}")
+        raise Invalid(f"expected a string, a list of strings, a list of token ids or a list of lists of token ids, got {got(value)}")
     if not value:
-        raise _Invalid("must not be empty")
-    if len(value) > MAX_INPUTS and not _is_int(value[0]):
-        raise _Invalid(f"at most {MAX_INPUTS} inputs are allowed in one request, got {len(value)}")
+        raise Invalid("must not be empty")
+    if len(value) > MAX_INPUTS and not is_int(value[0]):
+        raise Invalid(f"at most {MAX_INPUTS} inputs are allowed in one request, got {len(value)}")
     first = value[0]
-    if _is_int(first):  # one input as token ids
-        return Inputs((_token_ids(value, ""),), single=True)
+    if is_int(first):  # one input as token ids
+        return Inputs((token_ids(value, ""),), single=True)
     if isinstance(first, str):
         for i, text in enumerate(value):
             if not isinstance(text, str):
-                raise _Invalid(f"expected a string like input[0], got {_got(text)}", at=f"[{i}]")
+                raise Invalid(f"expected a string like input[0], got {got(text)}", at=f"[{i}]")
             if not text:
-                raise _Invalid("must not be empty", at=f"[{i}]")
+                raise Invalid("must not be empty", at=f"[{i}]")
         return Inputs(tuple(value), single=False)
     if isinstance(first, list):
         items = []
         for i, ids in enumerate(value):
             if not isinstance(ids, list):
-                raise _Invalid(f"expected a list of token ids like input[0], got {_got(ids)}", at=f"[{i}]")
-            items.append(_token_ids(ids, f"[{i}]"))
+                raise Invalid(f"expected a list of token ids like input[0], got {got(ids)}", at=f"[{i}]")
+            items.append(token_ids(ids, f"[{i}]"))
         return Inputs(tuple(items), single=False)
-    raise _Invalid(f"expected a string, a token id or a list of token ids, got {_got(first)}", at="[0]")
+    raise Invalid(f"expected a string, a token id or a list of token ids, got {got(first)}", at="[0]")
 
 
 @attrs.frozen
 class EmbeddingRequest:
-    input: Inputs = _field(parse=_parse_input)
+    input: Inputs = field(parse=_parse_input)
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # accepted only as the model's own size (checked with the engine)
@@ -103,10 +104,7 @@ class EmbeddingRequest:
 
 @functools.cache
 def _converter() -> cattrs.Converter:
-    converter = make_converter()
-    attrs.resolve_types(EmbeddingRequest)
-    converter.register_structure_hook(EmbeddingRequest, _record_hook(EmbeddingRequest, converter))
-    return converter
+    return strict_converter(EmbeddingRequest)
 
 
 def parse_embedding_request(body: object) -> EmbeddingRequest:
@@ -116,9 +114,9 @@ def parse_embedding_request(body: object) -> EmbeddingRequest:
         raise RequestError("the request body must be a JSON object", field=None)
     try:
         return _converter().structure(body, EmbeddingRequest)
-    except (BaseValidationError, _Invalid, _Nested) as exc:
-        _raise_request_error(exc)
-        raise  # unreachable: _raise_request_error always raises
+    except (BaseValidationError, Invalid, Nested) as exc:
+        raise_request_error(exc)
+        raise  # unreachable: raise_request_error always raises
 
 
 def check_dimensions(dimensions: int | None, hidden_size: int) -> None:

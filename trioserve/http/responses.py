@@ -4,20 +4,14 @@
     GET    /v1/responses/{id}     a stored response, as it was answered
     DELETE /v1/responses/{id}
 
-A request is read into the chat request it means (`parse_responses_request`):
-input items become messages (a run of ``function_call`` items one assistant
-message with those calls, a ``function_call_output`` a tool message),
-``instructions`` a system message in front, function tools and
-``tool_choice`` their chat shapes, ``text.format`` the response_format and
-``max_output_tokens`` max_completion_tokens. Chat's own parser then checks
-it all, and its errors are told in the Responses request's own field names
-(`_responses_field`). What the model produced comes back as output items,
-built from the output parser's pieces in the order they come
-(`OutputItems`): reasoning, message text and function calls. Buffered and
-streamed bodies are built by the same code, so they hold the same items
-with the same ids; a stream announces each item, its text in deltas, and
-the response's end (`response.completed`, or `response.incomplete` when
-``max_output_tokens`` cut it off).
+A request body is read into the chat request it means by
+http/responses_request.py. This module answers it: what the model produced
+comes back as output items, built from the output parser's pieces in the
+order they come (`OutputItems`): reasoning, message text and function
+calls. Buffered and streamed bodies are built by the same code, so they
+hold the same items with the same ids; a stream announces each item, its
+text in deltas, and the response's end (`response.completed`, or
+`response.incomplete` when ``max_output_tokens`` cut it off).
 
 A stored response (``store``, on unless false) is a committed turn of the
 same kind a session's is: kept in a `SessionStore` (the same bounds on
@@ -30,12 +24,10 @@ responses (OpenAI's rule): each request brings its own."""
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-import attrs
 import trio
 from quart import Response
 
@@ -45,325 +37,13 @@ from trioserve.http.connection import Connection
 from trioserve.http.edge import ServerState, check_model, default_max_tokens, output_parsing, read_body, sampling_params
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.job import GenerationJob, Prompt
-from trioserve.http.schemas import ChatCompletionRequest, _got, _short, parse_chat_request
+from trioserve.http.responses_request import ResponsesRequest, input_messages, parse_responses_request, responses_field
+from trioserve.http.schemas import parse_chat_request
+from trioserve.http.structuring import short
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.models.output_parser import Delta
 from trioserve.state.session_store import SessionNotFound, SessionStore
 from trioserve.types import Event, FinalEvent
-
-# Chat fields a Responses request may send as they are: OpenAI's own, and
-# this server's sampling extensions (as on /v1/chat/completions).
-PASSED = (
-    "model", "temperature", "top_p", "parallel_tool_calls", "stream", "user",
-    "seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
-)  # fmt: skip
-# Fields accepted and ignored: they ask for nothing this server does differently.
-IGNORED = (
-    "reasoning", "include", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
-    "safety_identifier", "stream_options", "max_tool_calls",
-)  # fmt: skip
-# What this module reads itself.
-HANDLED = ("input", "instructions", "previous_response_id", "store", "tools", "tool_choice", "text", "max_output_tokens", "metadata", "truncation")
-# Chat fields a client may send here by habit: each is refused, naming what to send instead.
-CHAT_ONLY = {
-    "messages": "send input (a string or a list of items)",
-    "max_tokens": "send max_output_tokens",
-    "max_completion_tokens": "send max_output_tokens",
-    "response_format": "send text.format",
-    "n": "a response has one output; send n requests, or use /v1/chat/completions",
-    "logprobs": "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs",
-    "functions": "send tools",
-    "function_call": "send tool_choice",
-}
-# Fields refused whenever they ask for something (null, false, 0 or their default ask for nothing).
-REFUSED = {
-    "background": "background responses are not supported; send stream true to read a long response as it comes",
-    "conversation": "conversations are not supported; chain responses with previous_response_id",
-    "prompt": "stored prompt templates are not supported; send instructions and input",
-    "top_logprobs": "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs",
-}
-MESSAGE_ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = ("input_text", "output_text")
-
-
-def _refuse(field: str, message: str):
-    raise RequestError(f"{field}: {message}", field=field)
-
-
-def _string(value: object, field: str) -> str:
-    if not isinstance(value, str):
-        _refuse(field, f"expected a string, got {_got(value)}")
-    return value
-
-
-# --- the request
-
-
-@attrs.frozen
-class ResponsesRequest:
-    """A Responses request: the chat request it means, its new messages as
-    the template sees them, and what the response object repeats back."""
-
-    chat: ChatCompletionRequest
-    messages: tuple[dict[str, Any], ...]  # the input's, after message_dict
-    instructions: str | None
-    previous_response_id: str | None
-    store: bool
-    metadata: dict[str, str]
-    max_output_tokens: int | None
-    tools: tuple[dict[str, Any], ...]  # as the request sent them, for the echo
-    tool_choice: str | dict[str, Any]
-    text_format: dict[str, Any]
-    truncation: str
-
-
-def _content_text(content: object, at: str, role: str) -> str | None:
-    """A message's content as one string: parts joined by newlines."""
-    if content is None and role == "assistant":
-        return None
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        _refuse(at, f"expected a string or a list of content parts, got {_got(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        where = f"{at}[{j}]"
-        if not isinstance(part, dict):
-            _refuse(where, f"expected a content part (an object), got {_got(part)}")
-        kind = part.get("type")
-        if kind == "refusal" and role == "assistant":
-            texts.append(_string(part.get("refusal"), f"{where}.refusal"))
-            continue
-        if not isinstance(kind, str) or kind not in TEXT_PARTS:
-            _refuse(f"{where}.type", f"only text parts are supported ('input_text', 'output_text'), got {_got(kind)}")
-        texts.append(_string(part.get("text"), f"{where}.text"))
-    return "\n".join(texts)
-
-
-def _input_messages(value: object) -> tuple[list[dict[str, Any]], list[str]]:
-    """The chat messages an ``input`` means, each with the path it came from."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}], ["input"]
-    if value is None:
-        _refuse("input", "this field is required")
-    if not isinstance(value, list):
-        _refuse("input", f"expected a string or a list of input items, got {_got(value)}")
-    messages: list[dict[str, Any]] = []
-    origins: list[str] = []
-    calls_open = False  # the last message is an assistant message that calls may join
-    for i, item in enumerate(value):
-        at = f"input[{i}]"
-        if not isinstance(item, dict):
-            _refuse(at, f"expected an input item (an object), got {_got(item)}")
-        kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in MESSAGE_ROLES:
-                _refuse(f"{at}.role", f"must be one of {', '.join(map(repr, MESSAGE_ROLES))}, got {_got(role)}")
-            messages.append({"role": role, "content": _content_text(item.get("content"), f"{at}.content", role)})
-            origins.append(at)
-            calls_open = role == "assistant"
-        elif kind == "function_call":
-            call = {
-                "id": _string(item.get("call_id"), f"{at}.call_id"),
-                "type": "function",
-                "function": {"name": _string(item.get("name"), f"{at}.name"), "arguments": _string(item.get("arguments"), f"{at}.arguments")},
-            }
-            if calls_open:
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                origins.append(at)
-                calls_open = True
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, f"{at}.output", "tool")
-            messages.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{at}.call_id"), "content": text})
-            origins.append(at)
-            calls_open = False
-        elif kind == "reasoning":
-            continue  # the model's earlier reasoning: templates show none of it again
-        elif kind == "item_reference":
-            _refuse(f"{at}.type", "item references are not supported; send previous_response_id, or the items themselves")
-        else:
-            _refuse(
-                f"{at}.type",
-                f"{_got(kind)} items are not supported (supported: 'message', 'function_call', 'function_call_output', 'reasoning')",
-            )
-    if not messages:
-        _refuse("input", "must hold at least one message or function call output")
-    return messages, origins
-
-
-def _chat_tools(value: object) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        _refuse("tools", f"expected a list of tools, got {_got(value)}")
-    out = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            _refuse(f"tools[{i}]", f"expected a tool (an object), got {_got(tool)}")
-        if tool.get("type") != "function":
-            _refuse(f"tools[{i}].type", f"only function tools are supported; {_got(tool.get('type'))} is not one this server has")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}})
-    return out
-
-
-def _chat_tool_choice(value: object) -> str | dict[str, Any] | None:
-    if value is None or value in ("none", "auto", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") == "function":
-        return {"type": "function", "function": {"name": _string(value.get("name"), "tool_choice.name")}}
-    if isinstance(value, dict):
-        _refuse("tool_choice.type", f"only function tools can be chosen, got {_got(value.get('type'))}")
-    _refuse("tool_choice", f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": ...}}, got {_got(value)}")
-
-
-def _response_format(text: object) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(chat's response_format, the text.format to repeat back)."""
-    if text is None:
-        return None, {"type": "text"}
-    if not isinstance(text, dict):
-        _refuse("text", f"expected an object, got {_got(text)}")
-    fmt = text.get("format")
-    if fmt is None:
-        return None, {"type": "text"}
-    if not isinstance(fmt, dict):
-        _refuse("text.format", f"expected an object, got {_got(fmt)}")
-    kind = fmt.get("type")
-    if kind in ("text", "json_object"):
-        return {"type": kind}, {"type": kind}
-    if kind != "json_schema":
-        _refuse("text.format.type", f"must be one of 'text', 'json_object', 'json_schema', got {_got(kind)}")
-    spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-    return {"type": "json_schema", "json_schema": spec}, {"type": "json_schema", **spec}
-
-
-def _metadata(value: object) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        _refuse("metadata", f"expected an object of strings, got {_got(value)}")
-    if len(value) > 16:
-        _refuse("metadata", f"at most 16 keys are allowed, got {len(value)}")
-    for key, item in value.items():
-        if len(key) > 64:
-            _refuse("metadata", f"a key may be at most 64 characters, got {_short(key)}")
-        if not isinstance(item, str) or len(item) > 512:
-            _refuse(f"metadata.{key}", f"expected a string of at most 512 characters, got {_got(item)}")
-    return dict(value)
-
-
-# Chat's field paths, as the Responses request names them.
-_RENAMES = (
-    (re.compile(r"max_completion_tokens"), "max_output_tokens"),
-    (re.compile(r"max_tokens"), "max_output_tokens"),  # the scheduler's refusals name the engine's field
-    (re.compile(r"tools(\[\d+\])\.function"), r"tools\1"),
-    (re.compile(r"tool_choice\.function\.name"), "tool_choice.name"),
-    (re.compile(r"response_format\.json_schema"), "text.format"),
-    (re.compile(r"response_format"), "text.format"),
-)
-
-
-def _responses_field(error: RequestError, origins: list[str]) -> RequestError:
-    """A RequestError about the chat request, told in the Responses
-    request's fields: ``messages[2]`` is the input item it came from."""
-    field = error.field
-    if field is None:
-        return error
-    renamed = field
-    found = re.match(r"messages\[(\d+)\]", field)
-    if found is not None:
-        index = int(found.group(1))
-        renamed = (origins[index] if index < len(origins) else "input") + field[found.end():]
-    elif field == "messages":
-        renamed = "input"
-    else:
-        for pattern, name in _RENAMES:
-            if pattern.match(renamed):
-                renamed = pattern.sub(name, renamed, count=1)
-                break
-    if renamed == field:
-        return error
-    message = str(error)
-    message = renamed + message[len(field):] if message.startswith(field) else message
-    if renamed == "max_output_tokens":  # the engine's words for it, inside the message too
-        message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", message)
-    return type(error)(message, field=renamed)  # RequestTooLarge stays one
-
-
-def parse_responses_request(body: object) -> ResponsesRequest:
-    """The Responses request in ``body`` (parsed JSON), or RequestError
-    naming the field in the request's own terms."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field=None)
-    for name, why in REFUSED.items():
-        if body.get(name) not in (None, False, 0, {}):
-            _refuse(name, why)
-    _check_fields(body)
-    truncation = body.get("truncation") or "disabled"
-    if truncation != "disabled":
-        _refuse("truncation", f"only 'disabled' is supported (a prompt too long for the model is refused, never cut), got {_got(truncation)}")
-    instructions = body.get("instructions")
-    if instructions is not None:
-        _string(instructions, "instructions")
-    previous = body.get("previous_response_id")
-    if previous is not None:
-        _string(previous, "previous_response_id")
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        _refuse("store", f"expected true or false, got {_got(store)}")
-    messages, origins = _input_messages(body.get("input"))
-    response_format, text_format = _response_format(body.get("text"))
-    chat: dict[str, Any] = {name: body[name] for name in PASSED if name in body}
-    chat["messages"] = messages
-    for name, value in (
-        ("tools", _chat_tools(body.get("tools"))),
-        ("tool_choice", _chat_tool_choice(body.get("tool_choice"))),
-        ("response_format", response_format),
-        ("max_completion_tokens", body.get("max_output_tokens")),
-    ):
-        if value is not None:
-            chat[name] = value
-    try:
-        request = parse_chat_request(chat)
-    except RequestError as exc:
-        raise _responses_field(exc, origins) from None
-    choice = body.get("tool_choice")
-    return ResponsesRequest(
-        chat=request,
-        messages=tuple(message_dict(m) for m in request.messages),
-        instructions=instructions,
-        previous_response_id=previous,
-        store=store is not False,
-        metadata=_metadata(body.get("metadata")),
-        max_output_tokens=request.max_completion_tokens,
-        tools=tuple(_echo_tool(t) for t in body.get("tools") or ()),
-        tool_choice=choice if choice is not None else "auto",
-        text_format=text_format,
-        truncation=truncation,
-    )
-
-
-def _check_fields(body: dict[str, Any]) -> None:
-    """Refuse, by name, a field this API does not have (as OpenAI does) or
-    a chat field sent here by habit; null asks for nothing and passes."""
-    for name, value in body.items():
-        if value is None:
-            continue
-        if name in CHAT_ONLY:
-            _refuse(name, f"not a field of the Responses API; {CHAT_ONLY[name]}")
-        if name not in PASSED and name not in IGNORED and name not in HANDLED and name not in REFUSED:
-            _refuse(name[:64], "unknown field (docs/responses.md lists the fields this server takes)")
-    include = body.get("include")
-    if isinstance(include, list) and "message.output_text.logprobs" in include:
-        _refuse("include", "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs")
-
-
-def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "description": None, "parameters": None, "strict": None, **tool}
-
 
 # --- the output
 
@@ -492,7 +172,7 @@ def as_history(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     only is an empty assistant message."""
     if not items:
         return [{"role": "assistant", "content": ""}]
-    messages, _ = _input_messages(items)
+    messages, _ = input_messages(items)
     return [message_dict(m) for m in parse_chat_request({"messages": messages}).messages]
 
 
@@ -564,7 +244,7 @@ class ResponseRender:
 
     def refusal(self, exc: Exception) -> Response:
         if isinstance(exc, RequestError):
-            exc = _responses_field(exc, [])
+            exc = responses_field(exc, [])
         return error_response(exc)
 
     def body(self, choices: list[openai.Choice]) -> Response:
@@ -613,7 +293,7 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
             return store.get(response_id, trio.current_time(), use=True)
         except SessionNotFound:
             raise HTTPError(
-                404, f"no response {_short(response_id, 80)} (unknown, deleted, stored with store false, or evicted)",
+                404, f"no response {short(response_id, 80)} (unknown, deleted, stored with store false, or evicted)",
                 param=param, code="response_not_found",
             ) from None  # fmt: skip
 
@@ -635,7 +315,7 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
                 params = sampling_params(chat, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "input"))
                 guides = await compile_guides(engine, chat, 1)
             except RequestError as exc:
-                raise _responses_field(exc, []) from None
+                raise responses_field(exc, []) from None
             job = GenerationJob(
                 id=_item_id("resp"), shape="response", model=state.model_name, created=openai.now(),
                 prompts=[Prompt("", prompt_ids, params)], guides=guides, stream=chat.stream,

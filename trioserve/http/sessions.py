@@ -33,11 +33,12 @@ from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTur
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
+from trioserve.http.constraints import CONSTRAINT_FIELDS
 from trioserve.http.edge import ServerState, check_model, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.in_flight import at_request_end
 from trioserve.http.job import GenerationJob, Prompt
-from trioserve.http.schemas import CONSTRAINT_FIELDS, parse_chat_request
+from trioserve.http.schemas import parse_chat_request
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.session_store import Session, SessionStore, Turn
 
