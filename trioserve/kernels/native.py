@@ -68,6 +68,16 @@ def _float_kind(*tensors: torch.Tensor) -> int:
     return int(dtype == torch.bfloat16)
 
 
+def _weight_inputs(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as a matmul kernel ``name`` takes it: rows of the weight's ``k``
+    inputs, bfloat16 or float32, contiguous; else RuntimeError."""
+    if x.dim() != 2 or x.shape[1] != k:
+        raise RuntimeError(f"{name}: x {tuple(x.shape)} does not have the weight's {k} inputs")
+    x = x.contiguous()
+    _float_kind(x)
+    return x
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """`reference.rms_norm` of fp32 rows x [T, n] with an fp32 weight [n],
     then cast to ``dtype`` (bfloat16 or float32), in one pass. Sums of
@@ -301,10 +311,7 @@ def w16_matmul(
     row alone."""
     lib = _lib(lib)
     if checked:
-        if x.dim() != 2 or x.shape[1] != pack.k:
-            raise RuntimeError(f"w16_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
-        x = x.contiguous()
-        _float_kind(x)
+        x = _weight_inputs("w16_matmul", x, pack.k)
     out = torch.empty(x.shape[0], pack.n, dtype=out_dtype or x.dtype)
     code = lib.trioserve_w16_matmul(
         pack.packed.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k, int(pack.bf16),
@@ -357,10 +364,7 @@ def _int4_call(
     if name in ("int4_matmul", "int4_q8_matmul") and pack.q8 != (name == "int4_q8_matmul"):
         raise RuntimeError(f"{name} was given a weight packed for the other 4-bit kernel")
     if checked:
-        if x.dim() != 2 or x.shape[1] != pack.k:
-            raise RuntimeError(f"{name}: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
-        x = x.contiguous()
-        _float_kind(x)
+        x = _weight_inputs(name, x, pack.k)
     out = torch.empty(x.shape[0], pack.n, dtype=out_dtype or x.dtype)
     code = getattr(lib, f"trioserve_{name}")(
         pack.packed.data_ptr(), pack.scales.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
@@ -375,10 +379,7 @@ def int8_matmul(pack: Int8Pack, x: torch.Tensor, *, threads: int | None = None, 
     weight's transpose, times its scales: [R, N] fp32. Each row's result
     depends on that row alone (the C source says how)."""
     lib = _lib(lib)
-    if x.dim() != 2 or x.shape[1] != pack.k:
-        raise RuntimeError(f"int8_matmul: x {tuple(x.shape)} does not have the weight's {pack.k} inputs")
-    x = x.contiguous()
-    _float_kind(x)
+    x = _weight_inputs("int8_matmul", x, pack.k)
     out = torch.empty(x.shape[0], pack.n, dtype=torch.float32)
     code = lib.trioserve_int8_matmul(
         pack.packed.data_ptr(), pack.scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], pack.n, pack.k,
