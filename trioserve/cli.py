@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from trioserve.config import CPU_FEATURES_ENV, EngineConfig, ServerSettings, batch_invariant_setting, cpu_features_setting, native_kernels_setting
-from trioserve.options import OPTIONS, SWITCH, Option, flag_or_env, option, positive_int, shown_default
+from trioserve.options import OPTIONS, SWITCH, Option, flag_or_env, option, positive_int, shown_default, split_model
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trioserve", description="OpenAI-compatible LLM inference server on trio.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = commands.add_parser("generate", help="answer one chat prompt and print the reply")
-    add_option(gen, option("engine.model"))
+    model = option("engine.model")
+    gen.add_argument("--model", default=model.default, metavar="PATH", help=f"smollm2 (built in), a .gguf file or a Hugging Face directory (default: {model.default})")
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--system", default=None, help="a system message (the template's default when omitted)")
     gen.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
@@ -70,7 +71,9 @@ def add_option(parser: argparse.ArgumentParser, opt: Option) -> None:
     line rather than a usage message)."""
     default = None if opt.flag_reads_env else (False if opt.switches_off else opt.default)
     help_text = f"{_plain(opt.help)} (default: {_default_help(opt)})".replace("%", "%%")
-    if opt.kind is SWITCH:
+    if opt.repeatable:
+        parser.add_argument(opt.flag, type=opt.kind.flag, action="append", default=None, metavar=opt.metavar, help=help_text)
+    elif opt.kind is SWITCH:
         action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
         parser.add_argument(opt.flag, action=action, default=default, help=help_text)
     else:
@@ -101,7 +104,10 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> ServerS
         if opt.flag_reads_env:
             value = flag_or_env(opt, value, environ)
         (engine if opt.field.startswith("engine.") else server)[opt.name] = value
-    server["served_model_name"] = server["served_model_name"] or engine["model"]  # the docs' default: the --model value
+    (first_name, engine["model"]), *more = [split_model(text) for text in engine["model"] or [option("engine.model").default]]
+    # The first model's name: its NAME=, else --served-model-name, else the --model value (the docs' default).
+    server["served_model_name"] = first_name or server["served_model_name"] or engine["model"]
+    server["more_models"] = [(name or path, path) for name, path in more]
     return ServerSettings(engine=EngineConfig(**engine), **server)
 
 

@@ -26,6 +26,7 @@ from trioserve.options import (  # the choices and parsers are named here too, w
     option,
     parse_byte_size,
     parse_size_or_auto,
+    split_model,
 )
 from trioserve.options import parse_flag as _flag
 
@@ -191,6 +192,30 @@ class ServerSettings:
     reasoning_parser: str = _setting("reasoning_parser")
     allow_special_in_prompt: bool = _setting("allow_special_in_prompt")
     log_level: str = _setting("log_level")
+    admin_api_key: str | None = _setting("admin_api_key")
+    memory_budget: int | None = _setting("memory_budget", _positive)
+    # Further models, (name, path) each, served beside the first on engines
+    # of their own with the first's engine settings (docs/models.md).
+    more_models: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=lambda pairs: tuple(tuple(p) for p in pairs))
+
+    @property
+    def model_name(self) -> str:
+        """The first model's name."""
+        return self.served_model_name or self.engine.model
+
+    def models(self) -> tuple[tuple[str, EngineConfig], ...]:
+        """Every model served from the start: (name, its engine's config)."""
+        more = ((name, attrs.evolve(self.engine, model=path)) for name, path in self.more_models)
+        return ((self.model_name, self.engine), *more)
+
+    def __attrs_post_init__(self) -> None:
+        seen: set[str] = set()
+        for name, _ in self.models():
+            if not name:
+                raise ValueError("a model name may not be empty")
+            if name in seen:
+                raise ValueError(f"the model name {name!r} is given twice (name them with --model NAME=PATH)")
+            seen.add(name)
 
 
 def _flag_or_env(field: str, flag, environ: Mapping[str, str]):
@@ -272,6 +297,9 @@ def settings_from_env(environ: dict[str, str]) -> ServerSettings:
         value = env_value(opt, environ)
         if value is not UNSET:
             (engine if opt.field.startswith("engine.") else server)[opt.name] = value
+    if "model" in engine:
+        name, engine["model"] = split_model(engine["model"])
+        server.setdefault("served_model_name", name)
     try:
         return ServerSettings(engine=EngineConfig(**engine), **server)
     except (TypeError, ValueError) as exc:

@@ -65,6 +65,11 @@ class Engine:
         # How the model computes (`compute_card`): set by open_engine; the model card and /metrics show it.
         self.compute: dict[str, object] = {}
 
+    def stop(self, cause: str) -> None:
+        """End every request in flight with an error event saying ``cause``,
+        after the step now running, and refuse new ones from then on."""
+        self._scheduler.stop(cause)
+
     def statistics(self) -> EngineStats:
         """A frozen snapshot of the engine's statistics, made now."""
         return self._scheduler.snapshot()

@@ -154,7 +154,8 @@ class Option:
     before an EngineConfig field, a ServerSettings one otherwise; None for
     an option that is no setting), ``default`` that field's default.
     A ``--no-`` switch turns its field off; a ``negatable`` one has both
-    forms. ``flag_reads_env``: the flag, when not given, falls back to the
+    forms. ``repeatable``: the flag may be given several times.
+    ``flag_reads_env``: the flag, when not given, falls back to the
     variable (otherwise only `settings_from_env` reads it). ``shown_default``:
     the docs' default column, where the value alone would not say it."""
 
@@ -169,6 +170,7 @@ class Option:
     negatable: bool = False
     flag_reads_env: bool = False
     shown_default: str | None = None
+    repeatable: bool = False  # the flag may be given several times (its values a list)
 
     @property
     def name(self) -> str:
@@ -196,7 +198,10 @@ def _o(flag: str, field: str | None, kind: Kind, default: Any, help: str, env: s
 OPTIONS: tuple[Option, ...] = (
     _o("--host", "host", TEXT, "127.0.0.1", "address to bind"),
     _o("--port", "port", PORT, 8000, "port"),
-    _o("--model", "engine.model", TEXT, "smollm2", "`smollm2` (built in), a `.gguf` file or a Hugging Face directory", "TRIOSERVE_MODEL"),
+    _o("--model", "engine.model", TEXT, "smollm2",
+       "`smollm2` (built in), a `.gguf` file or a Hugging Face directory; `NAME=PATH` serves it under NAME. Given "
+       "several times, every model is served, each on its own engine with these settings, the request's `model` "
+       "picking one (docs/models.md)", "TRIOSERVE_MODEL", metavar="[NAME=]PATH", repeatable=True),
     _o("--served-model-name", "served_model_name", TEXT, None, "the model id clients send and `/v1/models` lists",
        "TRIOSERVE_SERVED_MODEL_NAME", shown_default="the `--model` value"),
     _o("--dtype", "engine.dtype", TEXT, "auto",
@@ -280,6 +285,13 @@ OPTIONS: tuple[Option, ...] = (
     _o("--session-history-bytes", "session_history_bytes", BYTES, 64 * MIB,
        "total history text kept by all sessions; beyond it idle ones go", "TRIOSERVE_SESSION_HISTORY_BYTES"),
     _o("--api-key", "api_key", TEXT, None, "require `Authorization: Bearer KEY` on `/v1` routes", "TRIOSERVE_API_KEY"),
+    _o("--admin-api-key", "admin_api_key", TEXT, None,
+       "turns on the `/admin/models` routes (load and unload models at run time), which then need "
+       "`Authorization: Bearer KEY`; without it they are off (docs/models.md)", "TRIOSERVE_ADMIN_API_KEY", shown_default="none (off)"),
+    _o("--memory-budget", "memory_budget", BYTES, None,
+       "most memory the served models may take together, each counted as its weights file plus its KV pool "
+       "(`--kv-cache-bytes`); a load that would pass it is refused with the numbers (docs/models.md)",
+       "TRIOSERVE_MEMORY_BUDGET", shown_default="none"),
     _o("--max-body-bytes", "max_body_bytes", BYTES, 4 * MIB, "larger request bodies get 413", "TRIOSERVE_MAX_BODY_BYTES"),
     _o("--drain-timeout", "drain_timeout_s", SECONDS, 30.0, "seconds in-flight requests get after SIGINT/SIGTERM", "TRIOSERVE_DRAIN_TIMEOUT"),
     _o("--write-timeout", "write_timeout_s", SECONDS, 30.0,
@@ -364,6 +376,15 @@ def _size_text(size: int) -> str:
         if size % scale == 0:
             return f"{size // scale}{unit}"
     return str(size)
+
+
+def split_model(text: str) -> tuple[str | None, str]:
+    """A `--model` value: (NAME, PATH) from NAME=PATH, or (None, text)
+    when there is no name (a NAME has no "/" and neither side is empty)."""
+    name, sep, path = text.partition("=")
+    if sep and name and path and "/" not in name:
+        return name, path
+    return None, text
 
 
 def _flag_cell(opt: Option) -> str:

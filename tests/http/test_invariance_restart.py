@@ -190,7 +190,8 @@ async def models_card(client: httpx.AsyncClient) -> dict:
 async def prometheus_gauge(client: httpx.AsyncClient, name: str) -> float:
     response = await client.get("/metrics/prometheus")
     assert response.status_code == 200, response.text
-    values = [line.split()[1] for line in response.text.splitlines() if line.split(" ", 1)[0] == name]
+    # One model served: one sample, labelled with it (`name{model="..."} value`).
+    values = [line.rsplit(" ", 1)[1] for line in response.text.splitlines() if line.startswith(f"{name}{{model=")]
     assert len(values) == 1, f"{name}: {values} in\n{response.text}"
     return float(values[0])
 

@@ -615,16 +615,17 @@ async def test_prometheus_metrics_parse_and_move(server):
             response = await client.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 5, "ignore_eos": True})
             assert response.status_code == 200, response.text
             after = values((await client.get("/metrics/prometheus")).text)
-    stop = ("trioserve_requests_total", (("outcome", "length"),))
+    model = ("model", MODEL_NAME)  # every sample is labelled with the model it is about
+    stop = ("trioserve_requests_total", (model, ("outcome", "length")))
     assert after[stop] - before.get(stop, 0) == 1
-    gen = ("trioserve_generation_tokens_total", ())
+    gen = ("trioserve_generation_tokens_total", (model,))
     assert after[gen] - before[gen] == 5
-    count = ("trioserve_time_to_first_token_seconds_count", ())
+    count = ("trioserve_time_to_first_token_seconds_count", (model,))
     assert after[count] - before[count] == 1
-    itl = ("trioserve_inter_token_latency_seconds_count", ())
+    itl = ("trioserve_inter_token_latency_seconds_count", (model,))
     assert after[itl] - before[itl] == 4
-    assert after[("trioserve_requests_running", ())] == 0
-    assert after[("trioserve_model_info", (("model", MODEL_NAME),))] == 1
+    assert after[("trioserve_requests_running", (model,))] == 0
+    assert after[("trioserve_model_info", (model,))] == 1
 
 
 async def test_n_larger_than_the_queue_is_refused_by_name(nursery, tiny_gguf):

@@ -42,6 +42,7 @@ class Scheduler:
         self.channels: dict[str, trio.MemorySendChannel[Event]] = {}
         self.wake = trio.Event()
         self._snapshot: EngineStats | None = None  # None: changed since the last one was made
+        self._stop_cause: str | None = None  # `stop` was asked: end everything at the top of the loop
 
     # -- intake ------------------------------------------------------------
     async def intake(self, inbox: trio.MemoryReceiveChannel[SchedulerMessage]) -> None:
@@ -73,6 +74,13 @@ class Scheduler:
         self.core.settle(owner, order, request_id, self.clock())
         self.wake.set()
 
+    def stop(self, cause: str) -> None:
+        """End every request with an error event saying ``cause`` and refuse
+        new ones (the engine is going away: its model is unloaded). Applied
+        at the top of the next iteration, after the step in flight."""
+        self._stop_cause = cause
+        self.wake.set()
+
     def leave(self, request_id: str) -> None:
         """The consumer of ``request_id``'s events left before its end:
         the core cancels it (dropped from the next plan on). Nothing for a
@@ -85,6 +93,9 @@ class Scheduler:
     async def steps(self) -> None:
         while True:
             self.wake = trio.Event()
+            if self._stop_cause is not None:
+                cause, self._stop_cause = self._stop_cause, None
+                self.die(cause)
             events, plan = self.core.plan(self.clock())
             self._publish(events)
             self._refresh()

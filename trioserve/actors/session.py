@@ -262,16 +262,15 @@ class SessionActor:
 class SessionActors:
     """Starts one SessionActor per turn, in a nursery the app owns."""
 
-    def __init__(self, nursery: trio.Nursery, store: SessionStore, engine: Engine, *, pull_timeout_s: float) -> None:
+    def __init__(self, nursery: trio.Nursery, store: SessionStore, *, pull_timeout_s: float) -> None:
         self._nursery = nursery
         self.store = store
-        self.engine = engine
         self.pull_timeout_s = pull_timeout_s
         self.closed = False
 
-    def begin(self, session_id: str, now: float) -> TurnLine:
-        """Pin ``session_id`` for a turn and start its actor; the handler's
-        line to it. Raises SessionNotFound, SessionBusy (at once, never
+    def begin(self, session_id: str, now: float, engine: Engine) -> TurnLine:
+        """Pin ``session_id`` for a turn on ``engine`` (its model's) and
+        start its actor; the handler's line to it. Raises SessionNotFound, SessionBusy (at once, never
         queued), or EngineClosed once the app is stopping."""
         if self.closed:
             raise EngineClosed("the server is shutting down")
@@ -279,7 +278,7 @@ class SessionActors:
         send, inbox = trio.open_memory_channel[SessionMessage](1)
         replies_send, replies = trio.open_memory_channel[TurnOutput](1)
         line = TurnLine(send, replies)
-        actor = SessionActor(lease, self.store, self.engine, self.pull_timeout_s, line)
+        actor = SessionActor(lease, self.store, engine, self.pull_timeout_s, line)
         try:
             self._nursery.start_soon(actor.run, inbox, replies_send, name=f"session {session_id}")
         except RuntimeError:  # the nursery is closed: the app is stopping
@@ -289,12 +288,12 @@ class SessionActors:
 
 
 @contextlib.asynccontextmanager
-async def open_session_actors(store: SessionStore, engine: Engine, *, pull_timeout_s: float) -> AsyncIterator[SessionActors]:
-    """Session actors for ``store``'s sessions over ``engine``. Leaving the
+async def open_session_actors(store: SessionStore, *, pull_timeout_s: float) -> AsyncIterator[SessionActors]:
+    """Session actors for ``store``'s sessions. Leaving the
     block ends every running turn as a disconnect would: cancelled, nothing
     committed."""
     async with trio.open_nursery() as nursery:
-        actors = SessionActors(nursery, store, engine, pull_timeout_s=pull_timeout_s)
+        actors = SessionActors(nursery, store, pull_timeout_s=pull_timeout_s)
         try:
             yield actors
         finally:

@@ -1,8 +1,9 @@
 """The quart-trio application: OpenAI-compatible routes over one engine.
 
 `create_app(settings)` builds a fresh app (an app object can be served only
-once). The engine starts in the app's nursery before serving and stops after;
-so do the session actors (trioserve/actors/session.py), inside its block.
+once). Its models' engines (the registry: http/registry.py) start in the
+app's nursery before serving and stop after; so do the session actors
+(trioserve/actors/session.py), inside the registry's block.
 Each route module adds its routes (completions, sessions, embeddings,
 responses, status); each request is handled by its own task: its route
 reads the body into a job (http/job.py), and the connection
@@ -14,7 +15,6 @@ engine step."""
 from __future__ import annotations
 
 import os
-import sys
 
 import trio
 from quart import Response, request
@@ -22,20 +22,17 @@ from quart_trio import QuartTrio
 
 from trioserve.actors.session import open_session_actors
 from trioserve.config import ServerSettings, settings_from_env
-from trioserve.engine import describe_compute, open_engine
 from trioserve.http.completions import add_completion_routes
 from trioserve.http.edge import ServerState
 from trioserve.http.embeddings import add_embedding_routes
 from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.guard import bearer_matches, form_content_type
 from trioserve.http.in_flight import InFlight
+from trioserve.http.registry import load_startup_models, open_registry
 from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.status import add_status_routes
-from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
-from trioserve.models.output_parser import THINK_OPEN
-from trioserve.progress import ProgressBar
 
 # A session actor waits this long past the write timeout for its handler to
 # ask for the next chunk (a write takes at most the write timeout; past it
@@ -43,28 +40,21 @@ from trioserve.progress import ProgressBar
 PULL_GRACE_S = 5.0
 
 
-async def _serve_engine(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _serve_models(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     with state.engine_scope:
-        progress = None if state.checkpoint is not None else ProgressBar("Loading weights")
-        building = ProgressBar("Building the model", unit="layers")
-        async with open_engine(state.settings.engine, checkpoint=state.checkpoint, progress=progress, build_progress=building) as engine:
-            building.finish()
-            tok = engine.tokenizer
-            state.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
-            mode = state.settings.reasoning_parser
-            state.reasoning = mode == "on" or (mode == "auto" and len(tok.encode(THINK_OPEN, add_bos=False)) == 1)
-            # The session actors live inside the engine's block: when the app
-            # stops, their turns end first (cancelled, nothing committed).
+        # The engines run in the registry's nursery; the session actors in
+        # one inside it: when the app stops, their turns end first
+        # (cancelled, nothing committed), then the engines.
+        async with open_registry(state.settings) as registry:
             pull_timeout_s = state.settings.write_timeout_s + PULL_GRACE_S
-            async with open_session_actors(state.sessions, engine, pull_timeout_s=pull_timeout_s) as turns:
+            async with open_session_actors(state.sessions, pull_timeout_s=pull_timeout_s) as turns:
                 state.turns = turns
-                state.engine = engine
-                print(f"trioserve: computing on {describe_compute(engine.compute)}", file=sys.stderr, flush=True)
-                if engine.trace_path is not None:
-                    print(f"trioserve: recording engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
-                state.phase = "ok"
-                task_status.started()
+                state.registry = registry
                 try:
+                    await load_startup_models(registry, state.checkpoint)
+                    state.checkpoint = None  # the engine holds what it needs
+                    state.phase = "ok"
+                    task_status.started()
                     await trio.sleep_forever()
                 finally:
                     state.turns = None
@@ -82,14 +72,12 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     app.asgi_app = in_flight
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 1
-    state = ServerState(settings)
-    state.checkpoint = checkpoint
-    state.requests = in_flight
+    state = ServerState(settings, checkpoint=checkpoint, requests=in_flight)
     app.extensions["trioserve"] = state
 
     @app.before_serving
     async def start_engine() -> None:
-        await app.nursery.start(_serve_engine, state)
+        await app.nursery.start(_serve_models, state)
 
     @app.after_serving
     async def stop_engine() -> None:

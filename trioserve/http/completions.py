@@ -10,7 +10,7 @@ from quart import Response
 from trioserve.errors import RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
-from trioserve.http.edge import ServerState, check_model, check_n, default_max_tokens, output_parsing, read_body, sampling_params
+from trioserve.http.edge import ServerState, check_n, default_max_tokens, output_parsing, read_body, sampling_params
 from trioserve.http.errors import error_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.schemas import parse_chat_request, parse_completion_request
@@ -21,19 +21,19 @@ def add_completion_routes(app, state: ServerState) -> None:
     @app.route("/v1/chat/completions", methods=["POST"])
     async def chat() -> Response:
         try:
-            engine = state.ready()
             req = await off_loop(parse_chat_request, await read_body(state))
-            check_model(state, req.model)
+            model = state.route(req.model)
+            engine = model.engine
             check_n(engine, req.n)
             messages = map(message_dict, req.messages)  # made in the thread that renders them
-            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, messages, req.tools, req.tool_choice)
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, messages, req.tools, req.tool_choice)
             params = sampling_params(req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"))
             job = GenerationJob(
-                id=openai.new_id("chatcmpl"), shape="chat", model=state.model_name, created=openai.now(),
+                id=openai.new_id("chatcmpl"), shape="chat", model=model.name, created=openai.now(),
                 prompts=[Prompt("", prompt_ids, params)], n=req.n, logprobs=req.logprobs,
                 guides=await compile_guides(engine, req, req.n), stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                **output_parsing(state, req.tools, req.tool_choice),
+                **output_parsing(model, req.tools, req.tool_choice),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
@@ -42,15 +42,15 @@ def add_completion_routes(app, state: ServerState) -> None:
     @app.route("/v1/completions", methods=["POST"])
     async def completions() -> Response:
         try:
-            engine = state.ready()
             req = await off_loop(parse_completion_request, await read_body(state))
-            check_model(state, req.model)
+            model = state.route(req.model)
+            engine = model.engine
             # A list of prompts is that many independent prompts, n choices
             # each; counted before any is tokenized.
             check_n(engine, req.n, _prompt_count(req.prompt))
             prompts = await off_loop(_completion_prompts, engine, req.prompt, state.settings.allow_special_in_prompt)
             job = GenerationJob(
-                id=openai.new_id("cmpl"), shape="text", model=state.model_name, created=openai.now(),
+                id=openai.new_id("cmpl"), shape="text", model=model.name, created=openai.now(),
                 prompts=[Prompt(text, ids, sampling_params(req, default_max_tokens=default_max_tokens(state, engine, ids, "prompt"))) for text, ids in prompts],
                 n=req.n, logprobs=req.logprobs is not None, echo=req.echo,
                 guides=await compile_guides(engine, req, req.n * len(prompts)), stream=req.stream,

@@ -1,7 +1,7 @@
 """What every route does with a request before the engine sees it, in one
 place: the state the routes share (`ServerState`), reading the JSON body,
-the model check, the n check, the default max_tokens, and resolving the
-seed.
+routing to a model (its registry: http/registry.py), the n check, the
+default max_tokens, and resolving the seed.
 
 A seed a client sends is resolved here, once (`resolve_seed`): folded into
 the engine's range, plus the choice's place among n choices; a session
@@ -22,10 +22,10 @@ from trioserve.config import ServerSettings
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError
+from trioserve.http.registry import Model
 from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, Tool, ToolChoice, one_call_only, tools_offered
 from trioserve.http.structuring import check_json_body
 from trioserve.http.tools import off_loop
-from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.output_parser import CALL_CLOSE
 from trioserve.types import SamplingParams, fold_seed
@@ -35,30 +35,34 @@ AS_SENT = object()  # sampling_params: the seed the request sent
 
 
 class ServerState:
-    """What the routes share: the engine once it is up, and the server's phase."""
+    """What the routes share: the model registry once the app runs, and the
+    server's phase."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, *, checkpoint: Checkpoint | None = None, requests=None) -> None:
         self.settings = settings
-        self.engine = None  # the Engine (trioserve/engine.py), once loaded
-        self.template: ChatTemplate | None = None
-        self.model_name = settings.served_model_name or settings.engine.model
+        self.registry = None  # the Registry (http/registry.py), while the app runs
         self.phase = "loading"  # loading -> ok -> draining; or dead
         self.created = openai.now()
         self.engine_scope = trio.CancelScope()
-        self.requests = None  # the InFlight middleware, which counts HTTP requests in flight
-        self.checkpoint: Checkpoint | None = None  # preloaded, or None to load settings.engine.model
+        self.requests = requests  # the InFlight middleware, which counts HTTP requests in flight
+        self.checkpoint = checkpoint  # the first model's, preloaded; or None to load it
         self.sessions = None  # the SessionStore, made with the session routes
         self.responses = None  # the stored responses (a SessionStore too), made with their routes
-        self.turns = None  # the SessionActors: start session actors while the engine runs
-        self.reasoning = False  # split <think> reasoning out of replies
+        self.turns = None  # the SessionActors: start session actors while the app runs
 
-    def ready(self):
-        """The engine, or the reason no request can run now."""
+    def route(self, name: object, field: str = "model") -> Model:
+        """The ready model ``name`` picks (`Registry.route`: held until the
+        request is over), or the reason no request can run now."""
         if self.phase == "draining":
             raise EngineClosed("the server is shutting down")
-        if self.engine is None:
+        if self.registry is None:
             raise HTTPError(503, "the model is still loading", kind="server_error", code="loading")
-        return self.engine
+        return self.registry.route(name, field)
+
+    def engines(self) -> list:
+        """The engines of every model that has one now."""
+        models = self.registry.models.values() if self.registry is not None else ()
+        return [m.engine for m in models if m.engine is not None]
 
 
 async def read_body(state: ServerState) -> object:
@@ -80,14 +84,6 @@ async def read_body(state: ServerState) -> object:
         return body
 
     return decode() if len(raw) <= BIG_BODY else await off_loop(decode)
-
-
-def check_model(state: ServerState, name: object) -> None:
-    """Refuse a request for another model than the one served."""
-    if name is not None and not isinstance(name, str):
-        raise RequestError(f"model: expected a string, got {type(name).__name__}", field="model")
-    if name is not None and name != state.model_name:
-        raise HTTPError(404, f"the model {name!r} does not exist (this server serves {state.model_name!r})", param="model", code="model_not_found")
 
 
 def check_n(engine, n: int, prompts: int = 1) -> None:
@@ -123,13 +119,13 @@ def resolve_seed(sent: int | None, choice: int = 0) -> int | None:
     return None if sent is None else fold_seed(sent + choice)
 
 
-def output_parsing(state: ServerState, tools: tuple[Tool, ...] | None, choice: ToolChoice | None) -> dict[str, bool]:
+def output_parsing(model: Model, tools: tuple[Tool, ...] | None, choice: ToolChoice | None) -> dict[str, bool]:
     """What a chat-shaped job's parser splits out of its replies, as
     GenerationJob fields: tool calls (tools offered), reasoning (the
-    server's --reasoning-parser), and whether a call is forced."""
+    server's --reasoning-parser, for ``model``), and whether a call is forced."""
     return {
         "calls": tools_offered(tools, choice),
-        "reasoning": state.reasoning,
+        "reasoning": model.reasoning,
         "forced_call": choice is not None and choice.mode in ("required", "function"),
     }
 

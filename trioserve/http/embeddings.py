@@ -38,7 +38,7 @@ from cattrs.errors import BaseValidationError
 from quart import Response
 
 from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
-from trioserve.http.edge import ServerState, check_model, read_body
+from trioserve.http.edge import ServerState, read_body
 from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.schemas import token_ids
 from trioserve.http.structuring import Invalid, Nested, field, got, is_int, raise_request_error, strict_converter
@@ -211,17 +211,17 @@ def add_embedding_routes(app, state: ServerState) -> None:
     @app.route("/v1/embeddings", methods=["POST"])
     async def embeddings() -> Response:
         try:
-            engine = state.ready()
             req = await off_loop(parse_embedding_request, await read_body(state))
-            check_model(state, req.model)
+            model = state.route(req.model)
+            engine = model.engine
             check_dimensions(req.dimensions, engine.hidden_size)
             prompts = await off_loop(prompt_ids, engine, req.input, input_limit(engine))
             window = min(engine.config.max_num_seqs, engine.config.max_queue)
             finals = await embed_all(engine, prompts, window)
             if len(finals) * engine.hidden_size > BIG_RESPONSE:
-                text = await off_loop(response_body, finals, req.encoding_format, state.model_name)
+                text = await off_loop(response_body, finals, req.encoding_format, model.name)
             else:
-                text = response_body(finals, req.encoding_format, state.model_name)
+                text = response_body(finals, req.encoding_format, model.name)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         return Response(text, status=200, mimetype="application/json")

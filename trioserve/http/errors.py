@@ -16,11 +16,14 @@ from trioserve.errors import ChatTemplateError, EngineClosed, EngineDead, QueueF
 class HTTPError(TrioserveError):
     """An error with its status decided where it is raised (401, 404, 413...)."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    ):
         self.status = status
         self.kind = kind
         self.param = param
         self.code = code
+        self.headers = headers or {}  # sent with the response (Retry-After)
         super().__init__(message)
 
 
@@ -31,7 +34,7 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
     """(status, JSON body, extra headers) for any error a request can meet."""
     if isinstance(exc, HTTPError):
-        return exc.status, error_body(str(exc), exc.kind, exc.param, exc.code), {}
+        return exc.status, error_body(str(exc), exc.kind, exc.param, exc.code), dict(exc.headers)
     if isinstance(exc, RequestTooLarge):
         return 400, error_body(str(exc), "invalid_request_error", exc.field, "context_length_exceeded"), {}
     if isinstance(exc, RequestError):

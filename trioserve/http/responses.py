@@ -34,7 +34,7 @@ from quart import Response
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
-from trioserve.http.edge import ServerState, check_model, default_max_tokens, output_parsing, read_body, sampling_params
+from trioserve.http.edge import ServerState, default_max_tokens, output_parsing, read_body, sampling_params
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.responses_request import ResponsesRequest, input_messages, parse_responses_request, responses_field
@@ -300,15 +300,15 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/responses", methods=["POST"])
     async def create_response() -> Response:
         try:
-            engine = state.ready()
             req = await off_loop(parse_responses_request, await read_body(state))
-            check_model(state, req.chat.model)
+            model = state.route(req.chat.model)
+            engine = model.engine
             earlier = stored(req.previous_response_id).messages if req.previous_response_id is not None else []
             history = [*earlier, *req.messages]
             head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
             chat = req.chat
             try:
-                prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, head + history, chat.tools, chat.tool_choice)
+                prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, head + history, chat.tools, chat.tool_choice)
             except ChatTemplateError as exc:  # chat names messages; here they come from input (and earlier responses)
                 raise RequestError(f"input: the chat template rejected the conversation: {exc}", field="input") from None
             try:
@@ -317,9 +317,9 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
             except RequestError as exc:
                 raise responses_field(exc, []) from None
             job = GenerationJob(
-                id=_item_id("resp"), shape="response", model=state.model_name, created=openai.now(),
+                id=_item_id("resp"), shape="response", model=model.name, created=openai.now(),
                 prompts=[Prompt("", prompt_ids, params)], guides=guides, stream=chat.stream,
-                **output_parsing(state, chat.tools, chat.tool_choice),
+                **output_parsing(model, chat.tools, chat.tool_choice),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)

@@ -50,8 +50,7 @@ async def _drain(app, settings: ServerSettings, trigger: Callable[[], Awaitable[
     with trio.move_on_after(settings.drain_timeout_s):
         while True:
             await state.requests.wait_idle()
-            stats = state.engine.statistics() if state.engine is not None else None
-            if stats is None or (stats.running == 0 and stats.waiting == 0):
+            if all(s.running == 0 and s.waiting == 0 for s in (engine.statistics() for engine in state.engines())):
                 break
             await trio.sleep(0.05)
 

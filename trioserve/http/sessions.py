@@ -34,7 +34,7 @@ from trioserve.errors import EngineClosed, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
 from trioserve.http.constraints import CONSTRAINT_FIELDS
-from trioserve.http.edge import ServerState, check_model, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params
+from trioserve.http.edge import ServerState, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.in_flight import at_request_end
 from trioserve.http.job import GenerationJob, Prompt
@@ -82,8 +82,8 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     settings = state.settings
 
     def forget(session_id: str) -> None:
-        if state.engine is not None:
-            state.engine.forget_retained(session_id)
+        for engine in state.engines():  # only its model's keeps anything for it; the others have nothing to drop
+            engine.forget_retained(session_id)
 
     store = SessionStore(
         max_sessions=settings.max_sessions,
@@ -95,11 +95,11 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/sessions", methods=["POST"])
     async def create_session() -> Response:
         try:
-            engine = state.ready()
             body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
-            check_model(state, body.get("model"))
+            model = state.route(body.get("model"))
+            engine = model.engine
             system = body.get("system")
             if system is not None and not isinstance(system, str):
                 raise HTTPError(400, "system: expected a string", param="system")
@@ -107,13 +107,13 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             defaults = _check_settings(body, engine)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time())
-        return json_response(_describe(session, state.model_name), 200)
+        session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name)
+        return json_response(_describe(session), 200)
 
     @app.route("/v1/sessions/<session_id>", methods=["GET"])
     async def read_session(session_id: str) -> Response:
         try:
-            return json_response(_describe(store.get(session_id, trio.current_time()), state.model_name))
+            return json_response(_describe(store.get(session_id, trio.current_time())))
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
@@ -128,7 +128,6 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/sessions/<session_id>/turns", methods=["POST"])
     async def turn(session_id: str) -> Response:
         try:
-            engine = state.ready()
             body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
@@ -137,6 +136,8 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 if isinstance(message, dict) and message.get("role") not in ("user", "tool"):
                     raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
             found = store.get(session_id, trio.current_time())
+            model = state.route(found.model)  # the session's model runs its turns
+            engine = model.engine
             defaults = found.defaults
             if any(k in body for k in CONSTRAINT_FIELDS):  # a turn's own constraint replaces the session's
                 defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINT_FIELDS}
@@ -149,7 +150,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 raise EngineClosed("the server is shutting down")
             # Pins the session (a second turn is a 409 here, at once) and
             # starts its actor, which owns the turn from now on.
-            line = actors.begin(session_id, trio.current_time())
+            line = actors.begin(session_id, trio.current_time(), engine)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
@@ -158,16 +159,16 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
         async def prepare(session: Session, on_final: Callable[[openai.Choice], None]) -> Connection:
             """The turn's generation from the pinned session (in the actor's
             task); ``on_final`` commits it."""
-            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, state.template, session.conversation(new), req.tools, req.tool_choice)
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, session.conversation(new), req.tools, req.tool_choice)
             params = sampling_params(
                 req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"), seed=req.seed if restart else session.seed
             )
             job = GenerationJob(
-                id=openai.new_id("chatcmpl"), shape="turn", model=state.model_name, created=openai.now(),
+                id=openai.new_id("chatcmpl"), shape="turn", model=model.name, created=openai.now(),
                 prompts=[Prompt("", prompt_ids, params)], logprobs=req.logprobs,
                 guides=await compile_guides(engine, req, 1), stream=req.stream, include_usage=include_usage,
                 draw_start=0 if restart else session.draw_index, retain=session.id,
-                **output_parsing(state, req.tools, req.tool_choice),
+                **output_parsing(model, req.tools, req.tool_choice),
             )  # fmt: skip
             return Connection(job, engine, on_final=on_final)
 
@@ -240,11 +241,11 @@ def _history_message(message: dict) -> dict:
     return kept
 
 
-def _describe(session: Session, model: str) -> dict:
+def _describe(session: Session) -> dict:
     return {
         "id": session.id,
         "object": "session",
-        "model": model,
+        "model": session.model,
         "created": int(session.created),
         "system": session.system,
         "settings": session.defaults,

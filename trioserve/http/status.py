@@ -13,48 +13,50 @@ from trioserve.http.errors import HTTPError, error_response, json_response
 def add_status_routes(app, state: ServerState) -> None:
     @app.route("/health")
     async def health() -> Response:
-        if state.engine is not None and state.engine.statistics().dead:
-            return json_response({"status": "dead", "cause": state.engine.statistics().dead}, 503)
+        for engine in state.engines():
+            if engine.statistics().dead:
+                return json_response({"status": "dead", "cause": engine.statistics().dead}, 503)
         if state.phase != "ok":
             return json_response({"status": state.phase}, 503)
         return json_response({"status": "ok"})
 
     @app.route("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [_model_card(state)]})
+        return json_response({"object": "list", "data": [m.card() for m in _models(state)]})
 
     @app.route("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        if model_id != state.model_name:
+        found = next((m for m in _models(state) if m.name == model_id), None)
+        if found is None:
             return error_response(HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"))
-        return json_response(_model_card(state))
+        return json_response(found.card())
 
     @app.route("/metrics")
     async def metrics() -> Response:
-        engine = state.engine
-        if engine is None:
+        """The first model's statistics at the top (the whole body when one
+        model is served), and with several, each model's under "models"."""
+        ready = [m for m in _models(state) if m.engine is not None]
+        if not ready:
             return json_response({"status": state.phase})
-        body = _stats_body(engine)
+        body = _stats_body(ready[0].engine)
+        if len(state.registry.models) > 1:
+            body["models"] = {m.name: _stats_body(m.engine) for m in ready}
         body["sessions"] = state.sessions.stats()
         body["responses"] = {k: v for k, v in state.responses.stats().items() if k in ("active", "evicted")}  # stored ones
         return json_response(body)
 
     @app.route("/metrics/prometheus")
     async def metrics_prometheus() -> Response:
-        if state.engine is None:
+        ready = [m for m in _models(state) if m.engine is not None]
+        if not ready:
             return error_response(HTTPError(503, "the model is still loading", kind="server_error", code="loading"))
-        text = prometheus.render(state.engine.statistics(), state.model_name, batch_invariant=state.engine.config.batch_invariant)
+        text = prometheus.render([(m.name, m.engine.statistics(), m.engine.config.batch_invariant) for m in ready])
         return Response(text, mimetype="text/plain; version=0.0.4")
 
 
-def _model_card(state: ServerState) -> dict:
-    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "trioserve"}
-    if state.engine is not None:
-        card["max_model_len"] = state.engine.max_model_len
-        card["batch_invariant"] = state.engine.config.batch_invariant
-        card["activations"] = state.engine.activations
-        card["compute"] = state.engine.compute
-    return card
+def _models(state: ServerState) -> list:
+    """Every model in the registry (loading, ready or unloading), in the order they were added."""
+    return list(state.registry.models.values()) if state.registry is not None else []
 
 
 def _stats_body(engine) -> dict:

@@ -59,6 +59,7 @@ class Session:
     # What a stored response keeps besides its conversation: its body, as
     # GET /v1/responses/{id} returns it (trioserve/http/responses.py).
     record: dict[str, Any] | None = None
+    model: str | None = None  # the model whose engine runs its turns (and keeps their KV)
     size: int = 0  # history_bytes(), kept up to date by the store (summing it again at every change grew with the history)
 
     @property
@@ -145,6 +146,7 @@ class SessionStore:
         session_id: str | None = None,
         messages: Sequence[Mapping[str, Any]] = (),
         record: dict[str, Any] | None = None,
+        model: str | None = None,
     ) -> Session:
         """``now`` is the store's clock (for idleness); ``created`` the wall
         time shown to clients (default ``now``). A stored response brings its
@@ -152,7 +154,7 @@ class SessionStore:
         self.expire(now)
         session = Session(
             session_id or f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed,
-            messages=[dict(m) for m in messages], last_used=now, record=record,
+            messages=[dict(m) for m in messages], last_used=now, record=record, model=model,
         )  # fmt: skip
         if session.id in self._sessions:
             raise ValueError(f"a session {session.id!r} exists already")

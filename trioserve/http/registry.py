@@ -1,0 +1,287 @@
+"""The model registry: every model the server serves, each on an engine of
+its own (scheduler, worker, KV pool), under one HTTP front.
+
+A model's life, by its `state`:
+
+    loading    its name is taken; nothing is routed to it yet
+    ready      the request's ``model`` picks it
+    unloading  it takes no new requests; those in flight finish or are ended
+
+`Registry.load` runs in phases: reserve the name (a second load of it is a
+409), admit it against ``--memory-budget`` (a load that cannot fit is
+refused with the numbers and leaves nothing behind), load it, one load at
+a time, while every other model keeps serving, and publish it (one
+assignment). A failed load frees the name and says why in one line.
+
+`Registry.unload` stops routing to the model, waits up to ``timeout_s`` for
+its requests in flight (each HTTP request holds the model from its route
+until its last byte: `Registry.route`), ends those left with an error
+event (`Engine.stop`), then stops the engine, whose memory goes with it."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from trioserve.config import EngineConfig, ServerSettings
+from trioserve.engine import Engine, describe_compute, open_engine
+from trioserve.errors import CheckpointError, RequestError, TrioserveError
+from trioserve.http import openai
+from trioserve.http.errors import HTTPError
+from trioserve.http.in_flight import at_request_end
+from trioserve.models.chat_template import ChatTemplate
+from trioserve.models.checkpoint import Checkpoint
+from trioserve.models.output_parser import THINK_OPEN
+from trioserve.progress import ProgressBar
+
+STATES = ("loading", "ready", "unloading")
+LOAD_RETRY_AFTER_S = 5  # what a 503 for a model still loading tells the client to wait
+STOP_GRACE_S = 10.0  # after an unload's error events, how long its requests get to send them
+
+
+class Model:
+    """One served model: its name, its engine's config and, once ready, the
+    engine and what the routes need of it (chat template, reasoning split)."""
+
+    def __init__(self, name: str, config: EngineConfig, *, reasoning_parser: str, checkpoint: Checkpoint | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.reasoning_parser = reasoning_parser
+        self.checkpoint = checkpoint  # preloaded, or None to load config.model
+        self.state = "loading"
+        self.created = openai.now()
+        self.engine: Engine | None = None
+        self.template: ChatTemplate | None = None
+        self.reasoning = False  # split <think> reasoning out of replies
+        self.scope = trio.CancelScope()  # cancelled: the engine stops
+        self.stopped = trio.Event()  # the engine's block is left: its memory is let go
+        self.in_flight = 0  # HTTP requests routed here and not yet over
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def bytes(self) -> int:
+        """What the memory budget counts for this model: its weights file
+        (the directory's files for a Hugging Face one) plus its KV pool."""
+        return weights_bytes(self.config.model) + self.config.kv_cache_bytes
+
+    def hold(self) -> None:
+        """One more request in flight; let go when that HTTP request is over."""
+        self.in_flight += 1
+        self._idle = trio.Event() if self.in_flight == 1 else self._idle
+        if not at_request_end(self._release):
+            self._release()  # not inside a served request (nothing would release it)
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Return once no request holds this model."""
+        while self.in_flight:
+            await self._idle.wait()
+
+    async def serve(self, named: bool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine until `scope` is cancelled. Reports started once
+        it is ready; a failed load raises before that. Its progress lines
+        and its start-up line name it when ``named`` (not the first model)."""
+        try:
+            with self.scope:
+                loading = None if self.checkpoint is not None else ProgressBar(f"Loading weights of {self.name}" if named else "Loading weights")
+                building = ProgressBar(f"Building {self.name}" if named else "Building the model", unit="layers")
+                async with open_engine(self.config, checkpoint=self.checkpoint, progress=loading, build_progress=building) as engine:
+                    building.finish()
+                    self.checkpoint = None  # the engine holds what it needs; nothing else keeps the tensors
+                    tok = engine.tokenizer
+                    self.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+                    mode = self.reasoning_parser
+                    self.reasoning = mode == "on" or (mode == "auto" and len(tok.encode(THINK_OPEN, add_bos=False)) == 1)
+                    self.engine = engine
+                    who = f"{self.name} " if named else ""
+                    print(f"trioserve: {who}computing on {describe_compute(engine.compute)}", file=sys.stderr, flush=True)
+                    if engine.trace_path is not None:
+                        print(f"trioserve: recording {self.name}'s engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
+                    task_status.started()
+                    await trio.sleep_forever()
+        finally:
+            self.engine = None
+            self.template = None
+            self.stopped.set()
+
+    def card(self) -> dict:
+        """The model as /v1/models lists it."""
+        card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "trioserve", "state": self.state}
+        engine = self.engine
+        if engine is not None:
+            card["max_model_len"] = engine.max_model_len
+            card["batch_invariant"] = engine.config.batch_invariant
+            card["activations"] = engine.activations
+            card["compute"] = engine.compute
+        return card
+
+
+def weights_bytes(path: str) -> int:
+    """The size of a model's weights on disk: a file's, or the weight files
+    of a directory (0 where it cannot be read: the load then says why)."""
+    from trioserve.models.checkpoint import resolve_model_path
+
+    try:
+        where = Path(resolve_model_path(path))
+        if where.is_dir():
+            return sum(f.stat().st_size for f in where.iterdir() if f.suffix in (".safetensors", ".gguf", ".bin"))
+        return where.stat().st_size
+    except (OSError, CheckpointError, TrioserveError):
+        return 0
+
+
+class Registry:
+    """The served models by name. Every change happens on the event loop
+    with no await between its check and its change, so two loads of one
+    name cannot both pass the check."""
+
+    def __init__(self, settings: ServerSettings, nursery: trio.Nursery) -> None:
+        self.settings = settings
+        self.models: dict[str, Model] = {}
+        self._nursery = nursery
+        self._load_lock = trio.Lock()  # one load at a time
+
+    # -- routing ---------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def route(self, name: object, field: str = "model") -> Model:
+        """The ready model a request's ``model`` names, held for the rest of
+        the request; with one model served, a request may leave it out."""
+        if name is not None and not isinstance(name, str):
+            raise RequestError(f"{field}: expected a string, got {type(name).__name__}", field=field)
+        if name is None:
+            if len(self.models) != 1:
+                served = ", ".join(repr(n) for n in self.models) or "none"
+                raise RequestError(f"{field}: required, this server serves several models ({served})", field=field)
+            name = next(iter(self.models))
+        model = self.models.get(name)
+        if model is None:
+            served = ", ".join(repr(n) for n in self.models) or "none"
+            raise HTTPError(404, f"the model {name!r} does not exist (this server serves {served})", param=field, code="model_not_found")
+        if model.state == "loading":
+            raise HTTPError(
+                503, f"the model {name!r} is still loading", kind="server_error", code="loading", headers={"Retry-After": str(LOAD_RETRY_AFTER_S)}
+            )
+        if model.state == "unloading":
+            raise HTTPError(503, f"the model {name!r} is being unloaded", kind="server_error", code="model_unloading")
+        model.hold()
+        return model
+
+    # -- loading ---------------------------------------------------------------
+    def reserve(self, name: str, config: EngineConfig, *, checkpoint: Checkpoint | None = None) -> Model:
+        """Take ``name`` for a model about to load (not routable yet), after
+        checking it fits the memory budget; 409 when the name is taken."""
+        taken = self.models.get(name)
+        if taken is not None:
+            raise HTTPError(409, f"the model name {name!r} is already {taken.state if taken.state != 'ready' else 'served'}", param="name", code="model_exists")
+        model = Model(name, config, reasoning_parser=self.settings.reasoning_parser, checkpoint=checkpoint)
+        budget = self.settings.memory_budget
+        if budget is not None:
+            used = sum(m.bytes for m in self.models.values())
+            need = model.bytes
+            if used + need > budget:
+                raise HTTPError(
+                    400,
+                    f"loading {name!r} needs {need} bytes (weights {need - config.kv_cache_bytes} + KV pool {config.kv_cache_bytes}); "
+                    f"the served models take {used} of the {budget}-byte --memory-budget, leaving {budget - used}",
+                    param="path", code="over_memory_budget",
+                )  # fmt: skip
+        self.models[name] = model
+        return model
+
+    async def load(self, model: Model, *, named: bool = True) -> Model:
+        """Load a reserved model, one load at a time, and publish it. A
+        failure frees its name and is raised."""
+        try:
+            async with self._load_lock:
+                await self._nursery.start(model.serve, named)
+        except BaseException:
+            if self.models.get(model.name) is model:
+                del self.models[model.name]
+            raise
+        model.state = "ready"  # published: routable from here on
+        return model
+
+    # -- unloading -------------------------------------------------------------
+    async def unload(self, name: str, timeout_s: float) -> dict:
+        """Stop routing to ``name``; let its requests finish for up to
+        ``timeout_s``; end the rest with an error event; stop its engine.
+        What happened, for the admin route's answer."""
+        model = self.models.get(name)
+        if model is None:
+            raise HTTPError(404, f"the model {name!r} does not exist", param="name", code="model_not_found")
+        if model.state != "ready":
+            raise HTTPError(409, f"the model {name!r} is {model.state}", param="name", code="model_busy")
+        model.state = "unloading"
+        waiting = model.in_flight
+        with trio.move_on_after(timeout_s):
+            await model.idle()
+        ended = model.in_flight
+        if ended and model.engine is not None:
+            model.engine.stop(f"the model {name!r} was unloaded")
+            with trio.move_on_after(STOP_GRACE_S):
+                await model.idle()
+        model.scope.cancel()
+        await model.stopped.wait()
+        del self.models[name]
+        release_memory()
+        return {"name": name, "unloaded": True, "requests_in_flight": waiting, "requests_ended": ended}
+
+    def stats(self) -> list[dict]:
+        """Each model's state, memory and requests in flight (GET /admin/models)."""
+        out = []
+        for model in self.models.values():
+            engine = model.engine
+            stats = engine.statistics() if engine is not None else None
+            out.append({
+                "name": model.name, "path": model.config.model, "state": model.state, "memory_bytes": model.bytes,
+                "requests_in_flight": model.in_flight,
+                "running": stats.running if stats else 0, "waiting": stats.waiting if stats else 0,
+            })  # fmt: skip
+        return out
+
+
+def release_memory() -> None:
+    """Give an unloaded model's memory back: collect what refers to it, then
+    ask glibc to return freed pages to the system."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+
+@asynccontextmanager
+async def open_registry(settings: ServerSettings, *, checkpoint: Checkpoint | None = None) -> AsyncIterator[Registry]:
+    """A registry whose models' engines run in its nursery; leaving the block
+    stops them all. The models of ``settings`` are reserved at once and
+    loaded one after another (``checkpoint``: the first one's, preloaded)."""
+    async with trio.open_nursery() as nursery:
+        registry = Registry(settings, nursery)
+        try:
+            yield registry
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def load_startup_models(registry: Registry, checkpoint: Checkpoint | None) -> None:
+    """Reserve every model of the settings, then load them in order. The
+    first failure stops the server (as a bad --model always has)."""
+    specs = registry.settings.models()
+    reserved = [registry.reserve(name, config, checkpoint=checkpoint if i == 0 else None) for i, (name, config) in enumerate(specs)]
+    for i, model in enumerate(reserved):
+        await registry.load(model, named=i > 0)
