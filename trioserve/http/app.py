@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 
 from trioserve.actors.session import open_session_actors
 from trioserve.config import ServerSettings, settings_from_env
+from trioserve.http.admin import add_admin_routes
 from trioserve.http.completions import add_completion_routes
 from trioserve.http.edge import ServerState
 from trioserve.http.embeddings import add_embedding_routes
@@ -123,6 +124,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         return error_response(HTTPError(405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed"))
 
     add_status_routes(app, state)
+    add_admin_routes(app, state)
     add_completion_routes(app, state)
     state.sessions = add_session_routes(app, state)
     add_embedding_routes(app, state)

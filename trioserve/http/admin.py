@@ -1,0 +1,148 @@
+"""The admin routes: models loaded and unloaded while the others serve.
+
+    POST /admin/models/load    {"name", "path", "options"?}  -> the model's card, once it is ready
+    POST /admin/models/unload  {"name", "timeout_s"?}        -> what the drain did
+    GET  /admin/models                                       -> each model's state, memory, requests
+
+They are off unless the server has `--admin-api-key` (404 saying how to
+turn them on), and then need `Authorization: Bearer <that key>`: the
+`--api-key` of the /v1 routes does not open them. The registry
+(http/registry.py) does the work; this module reads bodies and answers."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import attrs
+from quart import Response, request
+
+from trioserve.config import EngineConfig
+from trioserve.errors import RequestError
+from trioserve.http.edge import ServerState, read_body
+from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.http.guard import bearer_matches
+from trioserve.options import OPTIONS
+
+DEFAULT_UNLOAD_TIMEOUT_S = 30.0
+MAX_NAME_CHARS = 256
+# The engine settings a load may set for its model, by field name
+# ("kv_cache_bytes": "64MiB", "max_num_seqs": 8); the rest are the server's.
+LOAD_OPTIONS = {opt.name: opt for opt in OPTIONS if opt.field and opt.field.startswith("engine.") and opt.name not in ("model", "record_dir")}
+
+
+def _admin_refusal(state: ServerState) -> HTTPError | None:
+    key = state.settings.admin_api_key
+    if not key:
+        return HTTPError(404, "the admin routes are off: start the server with --admin-api-key to use them", code="admin_off")
+    if not bearer_matches(request.headers.get("Authorization", ""), key):
+        return HTTPError(401, "missing or wrong admin key (send 'Authorization: Bearer <admin key>')", kind="authentication_error", code="invalid_admin_key")
+    return None
+
+
+def _text(body: dict, field: str, *, required: bool = True) -> str | None:
+    value = body.get(field)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{field}: expected a non-empty string", field=field)
+    return value
+
+
+def load_config(base: EngineConfig, path: str, options: object) -> EngineConfig:
+    """``base`` for the model at ``path`` with a load's ``options`` applied:
+    each by its field name, a string read as its TRIOSERVE_* variable is
+    (sizes like "64MiB"), a number or a boolean as it is."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise RequestError("options: expected an object of engine settings", field="options")
+    given = {}
+    for key, value in options.items():
+        opt = LOAD_OPTIONS.get(key)
+        if opt is None:
+            raise RequestError(f"options.{key}: not a setting a load may choose (one of: {', '.join(sorted(LOAD_OPTIONS))})", field=f"options.{key}")
+        try:
+            given[key] = opt.parse_variable(value) if isinstance(value, str) else value
+        except ValueError as exc:
+            raise RequestError(f"options.{key}: {exc}", field=f"options.{key}") from None
+    try:
+        return attrs.evolve(base, model=path, **given)
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"options: {exc}", field="options") from None
+
+
+def _timeout(body: dict) -> float:
+    value = body.get("timeout_s", DEFAULT_UNLOAD_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise RequestError(f"timeout_s: expected a number of seconds, 0 or more, got {value!r}", field="timeout_s")
+    return float(value)
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory, where /proc says it."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def add_admin_routes(app, state: ServerState) -> None:
+    @app.route("/admin/models", methods=["GET"])
+    async def list_models() -> Response:
+        refused = _admin_refusal(state)
+        if refused is not None:
+            return error_response(refused)
+        models = state.registry.stats() if state.registry is not None else []
+        return json_response({"object": "list", "data": models, "memory_budget": state.settings.memory_budget, "rss_bytes": _rss_bytes()})
+
+    @app.route("/admin/models/load", methods=["POST"])
+    async def load() -> Response:
+        try:
+            refused = _admin_refusal(state)
+            if refused is not None:
+                raise refused
+            registry = state.registry
+            if registry is None or state.phase != "ok":
+                raise HTTPError(503, f"the server is {state.phase}", kind="server_error", code=state.phase)
+            body = await read_body(state)
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the request body must be a JSON object")
+            name = _text(body, "name")
+            if len(name) > MAX_NAME_CHARS:
+                raise RequestError(f"name: at most {MAX_NAME_CHARS} characters", field="name")
+            path = _text(body, "path")
+            config = load_config(state.settings.engine, path, body.get("options"))
+            model = registry.reserve(name, config)  # 409 when taken; 400 over the memory budget
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes an error body
+            return error_response(exc)
+        try:
+            await registry.load(model)
+        except Exception as exc:  # noqa: BLE001 - a missing, corrupt or unsupported file: the name is free again
+            return error_response(HTTPError(400, f"loading {name!r} from {path} failed: {_one_line(exc)}", param="path", code="load_failed"))
+        return json_response(model.card())
+
+    @app.route("/admin/models/unload", methods=["POST"])
+    async def unload() -> Response:
+        try:
+            refused = _admin_refusal(state)
+            if refused is not None:
+                raise refused
+            if state.registry is None:
+                raise HTTPError(503, f"the server is {state.phase}", kind="server_error", code=state.phase)
+            body = await read_body(state)
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the request body must be a JSON object")
+            name = _text(body, "name")
+            timeout_s = _timeout(body)
+            return json_response(await state.registry.unload(name, timeout_s))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line (a group: its first leaf)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return " ".join(str(exc).split()) or type(exc).__name__
