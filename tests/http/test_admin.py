@@ -213,3 +213,36 @@ async def test_admin_routes_are_off_without_their_key(nursery, tiny_gguf):
             for method, path in (("GET", "/admin/models"), ("POST", "/admin/models/load"), ("POST", "/admin/models/unload")):
                 response = await client.request(method, path, headers={"Authorization": "Bearer user-key"}, json={})
                 assert_error(response, 404, fragment="the admin routes are off: start the server with --admin-api-key", param=None, code="admin_off")
+
+
+@pytest.fixture(scope="module")
+def wide_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random model of ~50 MB in float32: big enough to see in the RSS."""
+    from tests.tiny_model import TINY
+
+    tokenizer = train_tiny_tokenizer()
+    shape = {**TINY, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4}
+    return write_gguf(tmp_path_factory.mktemp("wide") / "wide.gguf", tiny_weights(tokenizer.get_vocab_size(), seed=3, shape=shape), tokenizer, shape=shape)
+
+
+async def test_unloading_gives_the_memory_back(nursery, tiny_gguf, wide_gguf):
+    """This process's RSS (as /admin/models reports it) grows by most of the
+    model's size when it loads and falls back when it is unloaded."""
+    url = await start_server(nursery, admin_settings(tiny_gguf))
+    size = wide_gguf.stat().st_size
+    with trio.fail_after(TIMEOUT):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+
+            async def rss() -> int:
+                return (await client.get("/admin/models", headers=ADMIN)).json()["rss_bytes"]
+
+            before = await rss()
+            loaded = await client.post("/admin/models/load", headers=ADMIN, json={"name": "wide", "path": str(wide_gguf), "options": {"kv_cache_bytes": "1MiB"}})
+            assert loaded.status_code == 200, loaded.text
+            assert (await client.post("/v1/completions", json={"model": "wide", "prompt": "hi", "max_tokens": 2})).status_code == 200
+            grown = await rss()
+            assert grown - before > size // 2, (before, grown, size)
+            gone = await client.post("/admin/models/unload", headers=ADMIN, json={"name": "wide"})
+            assert gone.status_code == 200, gone.text
+            after = await rss()
+    assert after - before < (grown - before) // 4, f"RSS {before} -> {grown} loaded -> {after} unloaded (model file {size} bytes)"
