@@ -4,6 +4,7 @@ with its status and message, leaving the registry as it was."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import attrs
@@ -102,7 +103,22 @@ async def test_unload_drains_a_stream_in_flight(nursery, tiny_gguf, other_gguf, 
                 inner.start_soon(stream, client, "other", 40, started, out)
                 await started.wait()
                 await wait_running(client, "other")
-                gone = await client.post("/admin/models/unload", headers=ADMIN, json={"name": "other", "timeout_s": timeout_s})
+                results: list = []
+
+                async def unload():
+                    results.append(await client.post("/admin/models/unload", headers=ADMIN, json={"name": "other", "timeout_s": timeout_s}))
+
+                inner.start_soon(unload)
+                while ("other", "unloading") not in await registry(client):
+                    await trio.sleep(0.005)
+                if timeout_s:  # while it drains, the name is neither loadable again nor routable
+                    again = await client.post("/admin/models/load", headers=ADMIN, json={"name": "other", "path": str(other_gguf)})
+                    assert_error(again, 409, fragment="the model name 'other' is already unloading", param="name", code="model_exists")
+                    twice = await client.post("/admin/models/unload", headers=ADMIN, json={"name": "other"})
+                    assert_error(twice, 409, fragment="the model 'other' is unloading", param="name", code="model_busy")
+                    late = await client.post("/v1/completions", json={"model": "other", "prompt": "x", "max_tokens": 1})
+                    assert_error(late, 503, fragment="the model 'other' is being unloaded", param=None, kind="server_error", code="model_unloading")
+            gone = results[0]
             assert gone.status_code == 200, gone.text
             assert gone.json()["requests_in_flight"] == 1
             sse = out[0]
@@ -237,6 +253,7 @@ async def test_unloading_gives_the_memory_back(nursery, tiny_gguf, wide_gguf):
                 return (await client.get("/admin/models", headers=ADMIN)).json()["rss_bytes"]
 
             before = await rss()
+            threads = threading.active_count()
             loaded = await client.post("/admin/models/load", headers=ADMIN, json={"name": "wide", "path": str(wide_gguf), "options": {"kv_cache_bytes": "1MiB"}})
             assert loaded.status_code == 200, loaded.text
             assert (await client.post("/v1/completions", json={"model": "wide", "prompt": "hi", "max_tokens": 2})).status_code == 200
@@ -245,4 +262,32 @@ async def test_unloading_gives_the_memory_back(nursery, tiny_gguf, wide_gguf):
             gone = await client.post("/admin/models/unload", headers=ADMIN, json={"name": "wide"})
             assert gone.status_code == 200, gone.text
             after = await rss()
+    assert threading.active_count() == threads  # its device thread is gone too
     assert after - before < (grown - before) // 4, f"RSS {before} -> {grown} loaded -> {after} unloaded (model file {size} bytes)"
+
+
+async def test_the_other_models_stream_on_while_one_loads(nursery, tiny_gguf, wide_gguf, slow_steps):
+    """A load runs in its own engine's thread: a stream on the first model
+    keeps getting tokens while it goes on, and the new model serves once
+    it is ready."""
+    url = await start_server(nursery, admin_settings(tiny_gguf))
+    slow_steps(0.005)
+    with trio.fail_after(TIMEOUT):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            out: list = []
+            started = trio.Event()
+            span: list[float] = []
+            async with trio.open_nursery() as inner:
+                inner.start_soon(stream, client, MODEL_NAME, 240, started, out)
+                await started.wait()
+                await wait_running(client, MODEL_NAME)
+                span.append(trio.current_time())
+                loaded = await client.post("/admin/models/load", headers=ADMIN, json={"name": "wide", "path": str(wide_gguf), "options": {"kv_cache_bytes": "1MiB"}})
+                span.append(trio.current_time())
+                assert loaded.status_code == 200, loaded.text
+                done = out  # the stream may still be running: wait for it below
+            sse = done[0]
+            during = [t for t in sse.times if span[0] < t < span[1]]
+            assert during, f"no token arrived during the {span[1] - span[0]:.2f} s load"
+            assert sse.chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert (await client.post("/v1/completions", json={"model": "wide", "prompt": "hi", "max_tokens": 2})).status_code == 200

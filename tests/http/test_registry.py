@@ -119,3 +119,29 @@ def test_model_given_several_times_on_the_command_line():
     twice = cli.build_parser().parse_args(["serve", "--model", "a=/m/a.gguf", "--model", "a=/m/b.gguf"])
     with pytest.raises(ValueError, match="the model name 'a' is given twice"):
         cli.serve_settings(twice, {})
+
+
+@pytest.mark.slow
+async def test_two_tiny_models_and_the_real_one_under_three_names(nursery, tiny_gguf, other_gguf):
+    """SmolLM2 beside the two tiny models: each name answers as its model
+    does served alone (greedy, token for token)."""
+    from trioserve.config import EngineConfig
+
+    def real(**more) -> ServerSettings:
+        engine = EngineConfig(model="smollm2", max_num_seqs=2, kv_cache_bytes=64 << 20)
+        return attrs.evolve(ServerSettings(engine=engine, served_model_name="smol"), host="127.0.0.1", port=0, log_level="warning", **more)
+
+    three = real(more_models=[(MODEL_NAME, str(tiny_gguf)), (OTHER, str(other_gguf))])
+    with trio.fail_after(600):
+        served = await start_server(nursery, three)
+        alone = {"smol": await start_server(nursery, real()), MODEL_NAME: await start_server(nursery, make_settings(tiny_gguf))}
+        alone[OTHER] = await start_server(nursery, attrs.evolve(make_settings(other_gguf), served_model_name=OTHER))
+        async with httpx.AsyncClient(timeout=300) as client:
+            answers = {}
+            for name, url in alone.items():
+                client.base_url = url
+                answers[name] = await greedy(client, name, "The capital of France is")
+            assert len({text for text, _ in answers.values()}) == 3
+            client.base_url = served
+            for name, expected in answers.items():
+                assert await greedy(client, name, "The capital of France is") == expected, name
