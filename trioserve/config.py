@@ -172,7 +172,10 @@ class ServerSettings:
     special tokens ("<|im_start|>") and get their ids; off, such text is
     tokenized as text, like all text a client sends.
     reasoning_parser: split <think>...</think> into reasoning_content: "on",
-    "off", or "auto" (on when the tokenizer has <think> as one token)."""
+    "off", or "auto" (on when the tokenizer has <think> as one token).
+    rerank_method: how /v1/rerank and /v1/score score a pair of texts:
+    "embedding" (cosine of pooled embeddings) or "yes-no" (P(yes) of the
+    model's one-token answer, asked through its chat template)."""
 
     engine: EngineConfig = EngineConfig()
     host: str = _setting("host")
@@ -190,6 +193,7 @@ class ServerSettings:
     session_idle_s: float | None = _setting("session_idle_s", _positive)
     session_history_bytes: int | None = _setting("session_history_bytes", _positive)
     reasoning_parser: str = _setting("reasoning_parser")
+    rerank_method: str = _setting("rerank_method")
     allow_special_in_prompt: bool = _setting("allow_special_in_prompt")
     log_level: str = _setting("log_level")
     admin_api_key: str | None = _setting("admin_api_key")

@@ -37,6 +37,7 @@ ACTIVATION_CHOICES = ("auto", "bf16", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
 REASONING_PARSERS = ("auto", "on", "off")
+RERANK_METHODS = ("embedding", "yes-no")  # the first is the default (http/rerank.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -276,6 +277,11 @@ OPTIONS: tuple[Option, ...] = (
     _o("--reasoning-parser", "reasoning_parser", TEXT, "auto",
        "split `<think>…</think>` into `reasoning_content`: `on`, `off`, or `auto` (when the tokenizer has `<think>` "
        "as one token)", "TRIOSERVE_REASONING_PARSER", choices=REASONING_PARSERS),
+    _o("--rerank-method", "rerank_method", TEXT, RERANK_METHODS[0],
+       "how `/v1/rerank` and `/v1/score` score a query against a document: `embedding`, the cosine of their pooled "
+       "embeddings (`--embedding-pooling`), or `yes-no`, the probability that the model answers \"yes\" rather than "
+       "\"no\" when asked in its chat template whether the document meets the query, as Qwen3-Reranker-style models "
+       "are used (docs/api.md, \"Rerank and score\")", "TRIOSERVE_RERANK_METHOD", choices=RERANK_METHODS),
     _o("--allow-special-in-prompt", "allow_special_in_prompt", SWITCH, False,
        "a `/v1/completions` text prompt that spells a special token (`<|im_start|>`) gets its id; off, it is "
        "tokenized as text like all client text (see api.md, \"Special tokens\")", "TRIOSERVE_ALLOW_SPECIAL_IN_PROMPT"),

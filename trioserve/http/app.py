@@ -30,6 +30,7 @@ from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.guard import bearer_matches, form_content_type
 from trioserve.http.in_flight import InFlight
 from trioserve.http.registry import load_startup_models, open_registry
+from trioserve.http.rerank import add_rerank_routes
 from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.status import add_status_routes
@@ -128,5 +129,6 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     add_completion_routes(app, state)
     state.sessions = add_session_routes(app, state)
     add_embedding_routes(app, state)
+    add_rerank_routes(app, state)
     state.responses = add_response_routes(app, state)
     return app

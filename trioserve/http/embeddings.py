@@ -19,7 +19,8 @@ inputs in the engine at once, submitting the next as one finishes, so a
 any input ends the whole request with that error (the others are
 cancelled). A client that leaves cancels the handler; every input still
 in the engine is cancelled with it and its KV blocks are freed within one
-step."""
+step. /v1/rerank and /v1/score (http/rerank.py) use the same parsing
+pieces, tokenization, window and `embed_all`."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import functools
 import json
 import secrets
 import struct
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal, TypeVar
 
 import attrs
 import cattrs
@@ -45,6 +46,8 @@ from trioserve.http.structuring import Invalid, Nested, field, got, is_int, rais
 from trioserve.http.tools import off_loop
 from trioserve.types import FinalEvent
 
+T = TypeVar("T")
+
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 BIG_RESPONSE = 1 << 16  # floats beyond which the JSON body is written in a thread
 
@@ -53,13 +56,15 @@ BIG_RESPONSE = 1 << 16  # floats beyond which the JSON body is written in a thre
 class Inputs:
     """The parsed `input`: its items (text, or token ids) in order, and
     whether it was one item rather than a list of them (which decides
-    whether a problem is named `input` or `input[i]`)."""
+    whether a problem is named `input` or `input[i]`; another route's texts
+    go by their own field's name)."""
 
     items: tuple[str | tuple[int, ...], ...]
     single: bool
+    name: str = "input"  # the field they came in (/v1/rerank's `query`, `documents`)
 
     def field(self, i: int) -> str:
-        return "input" if self.single else f"input[{i}]"
+        return self.name if self.single else f"{self.name}[{i}]"
 
 
 def _parse_input(value: object, _: cattrs.Converter) -> Inputs:
@@ -159,34 +164,57 @@ def input_limit(engine) -> int:
     return min(engine.max_model_len, stats.kv_blocks_total * stats.block_size)
 
 
+def engine_window(engine) -> int:
+    """How many of one request's inputs may be in ``engine`` at once:
+    min(--max-num-seqs, --max-queue)."""
+    return min(engine.config.max_num_seqs, engine.config.max_queue)
+
+
+async def run_windowed(count: int, window: int, run_one: Callable[[int], Awaitable[T]]) -> list[T]:
+    """``[await run_one(i) for i in range(count)]``, with at most ``window``
+    calls under way at once. The first TrioserveError cancels the other
+    calls and is raised; cancelled, every call under way is cancelled."""
+    results: list[T | None] = [None] * count
+    failures: list[TrioserveError] = []
+    todo = iter(range(count))
+
+    async def worker(nursery: trio.Nursery) -> None:
+        for i in todo:
+            try:
+                results[i] = await run_one(i)
+            except TrioserveError as exc:
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+                return
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(window, count)):
+            nursery.start_soon(worker, nursery)
+    if failures:
+        raise failures[0]
+    return results  # type: ignore[return-value]  # all set: no failure
+
+
+def ended_badly(engine, final: FinalEvent, what: str) -> HTTPError:
+    """The error for an engine request that ended without its result: 503
+    when the engine died, else 500, with the engine's cause."""
+    status = 503 if engine.statistics().dead else 500
+    return HTTPError(status, final.error or f"the {what} ended with {final.finish_reason}", kind="server_error")
+
+
 async def embed_all(engine, prompts: Sequence[list[int]], window: int) -> list[FinalEvent]:
     """Every prompt's FinalEvent, in order, with at most ``window`` of them
     in the engine at once. The first refusal or failure cancels the rest and
     is raised; cancelled, every request still in the engine is cancelled."""
     base = f"embd-{secrets.token_hex(8)}"
-    results: list[FinalEvent | None] = [None] * len(prompts)
-    failures: list[TrioserveError] = []
-    todo = iter(enumerate(prompts))
 
-    async def run(nursery: trio.Nursery) -> None:
-        for i, ids in todo:
-            try:
-                final = await engine.embed(ids, request_id=f"{base}-{i}")
-                if final.finish_reason != "stop" or final.embedding is None:
-                    status = 503 if engine.statistics().dead else 500
-                    raise HTTPError(status, final.error or f"the embedding ended with {final.finish_reason}", kind="server_error")
-            except TrioserveError as exc:
-                failures.append(exc)
-                nursery.cancel_scope.cancel()
-                return
-            results[i] = final
+    async def embed_one(i: int) -> FinalEvent:
+        final = await engine.embed(prompts[i], request_id=f"{base}-{i}")
+        if final.finish_reason != "stop" or final.embedding is None:
+            raise ended_badly(engine, final, "embedding")
+        return final
 
-    async with trio.open_nursery() as nursery:
-        for _ in range(min(window, len(prompts))):
-            nursery.start_soon(run, nursery)
-    if failures:
-        raise failures[0]
-    return results  # type: ignore[return-value]  # all set: no failure
+    return await run_windowed(len(prompts), window, embed_one)
 
 
 def response_body(finals: Sequence[FinalEvent], encoding: str, model: str) -> str:
@@ -216,8 +244,7 @@ def add_embedding_routes(app, state: ServerState) -> None:
             engine = model.engine
             check_dimensions(req.dimensions, engine.hidden_size)
             prompts = await off_loop(prompt_ids, engine, req.input, input_limit(engine))
-            window = min(engine.config.max_num_seqs, engine.config.max_queue)
-            finals = await embed_all(engine, prompts, window)
+            finals = await embed_all(engine, prompts, engine_window(engine))
             if len(finals) * engine.hidden_size > BIG_RESPONSE:
                 text = await off_loop(response_body, finals, req.encoding_format, model.name)
             else:
