@@ -173,6 +173,10 @@ class WrappedModel:
         return self.inner.batch_invariant
 
     @property
+    def lora(self):
+        return self.inner.lora
+
+    @property
     def kernels(self):
         return self.inner.kernels
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from trioserve.config import CPU_FEATURES_ENV, EngineConfig, ServerSettings, batch_invariant_setting, cpu_features_setting, native_kernels_setting
-from trioserve.options import OPTIONS, SWITCH, Option, flag_or_env, option, positive_int, shown_default, split_model
+from trioserve.options import OPTIONS, SWITCH, Option, flag_or_env, option, positive_int, shown_default, lora_spec, split_model
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
 from trioserve.types import RANGES
 
@@ -108,6 +108,7 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> ServerS
     # The first model's name: its NAME=, else --served-model-name, else the --model value (the docs' default).
     server["served_model_name"] = first_name or server["served_model_name"] or engine["model"]
     server["more_models"] = [(name or path, path) for name, path in more]
+    server["loras"] = [lora_spec(text) for text in server["loras"] or ()]
     return ServerSettings(engine=EngineConfig(**engine), **server)
 
 

@@ -53,7 +53,7 @@ def _seconds(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
 
-def _setting(field: str, validator=None):
+def _setting(field: str, validator=None, converter=None):
     """The attrs field of option ``field`` (trioserve/options.py): its
     default, a check of its choices where it has some, then ``validator``;
     the option rides along as the field's metadata["option"]."""
@@ -61,7 +61,7 @@ def _setting(field: str, validator=None):
     checks = [validator] if validator else []
     if opt.choices:
         checks.insert(0, lambda instance, attribute, value: check_choice(field, value))
-    return attrs.field(default=opt.default, validator=checks or None, metadata={"option": opt})
+    return attrs.field(default=opt.default, validator=checks or None, converter=converter, metadata={"option": opt})
 
 
 @attrs.frozen
@@ -133,6 +133,8 @@ class EngineConfig:
     embedding_pooling: str = _setting("engine.embedding_pooling")
     kernels: str = _setting("engine.kernels")
     activations: str = _setting("engine.activations")
+    max_loras: int = _setting("engine.max_loras", _positive)
+    max_lora_rank: int = _setting("engine.max_lora_rank", _positive)
 
     @property
     def draft_tokens(self) -> int:
@@ -201,6 +203,8 @@ class ServerSettings:
     # Further models, (name, path) each, served beside the first on engines
     # of their own with the first's engine settings (docs/models.md).
     more_models: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=lambda pairs: tuple(tuple(p) for p in pairs))
+    # LoRA adapters loaded at start for the first model, (name, path) each (--lora NAME=PATH).
+    loras: tuple[tuple[str, str], ...] = _setting("loras", converter=lambda pairs: tuple(tuple(p) for p in pairs))
 
     @property
     def model_name(self) -> str:

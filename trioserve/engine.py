@@ -64,6 +64,12 @@ class Engine:
         self.activations = activations  # what the 4-bit projections take: config.activations, auto resolved
         # How the model computes (`compute_card`): set by open_engine; the model card and /metrics show it.
         self.compute: dict[str, object] = {}
+        self.adapters: AdapterSlots | None = None  # its model's LoRA adapters: set by open_engine
+
+    def fail_adapter(self, key: str, cause: str) -> int:
+        """End every request of LoRA adapter ``key`` with an error event
+        saying ``cause``; how many there were."""
+        return self._scheduler.fail_adapter(key, cause)
 
     def stop(self, cause: str) -> None:
         """End every request in flight with an error event saying ``cause``,
@@ -99,7 +105,7 @@ class Engine:
         (a response body that never started)."""
         return Generation(self, request)
 
-    async def embed(self, prompt_ids, *, request_id: str | None = None) -> FinalEvent:
+    async def embed(self, prompt_ids, *, request_id: str | None = None, adapter: str | None = None) -> FinalEvent:
         """Embed one prompt: an embedding request (GenerateRequest.pooling,
         config.embedding_pooling) through the same scheduler as generation.
         Returns its FinalEvent: finish_reason "stop" with the vector in
@@ -107,7 +113,8 @@ class Engine:
         `open_generation` does; cancelled, the request is cancelled and its
         blocks freed within one step."""
         request = GenerateRequest(
-            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0, seed=0), request_id=request_id, pooling=self.config.embedding_pooling
+            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0, seed=0), request_id=request_id, pooling=self.config.embedding_pooling,
+            adapter=adapter,
         )
         final = None
         async with self.open_generation(request) as events:
@@ -123,6 +130,38 @@ class Engine:
         async with self.open_generation(request) as events:
             async for event in events:
                 yield event
+
+
+class AdapterSlots:
+    """The LoRA adapters resident in an engine's model, put there and taken
+    out on its device thread, between steps (the model reads them there)."""
+
+    def __init__(self, model: LlamaModel, device: DeviceThread, config: EngineConfig) -> None:
+        self._model = model
+        self._device = device
+        self.max_rank = config.max_lora_rank
+        model.lora.capacity = config.max_loras
+
+    @property
+    def model_config(self):
+        """The model's shapes, which an adapter must match."""
+        return self._model.config
+
+    @property
+    def loaded(self) -> int:
+        return len(self._model.lora)
+
+    @property
+    def capacity(self) -> int:
+        return self._model.lora.capacity
+
+    async def add(self, key: str, adapter) -> None:
+        """Make ``adapter`` resident under ``key`` (models/lora_set.py); ValueError when full."""
+        await self._device.run(self._model.lora.add, key, adapter)
+
+    async def remove(self, key: str) -> None:
+        """Let go of ``key``'s adapter; no request of it may be running."""
+        await self._device.run(self._model.lora.remove, key)
 
 
 class Generation:
@@ -314,6 +353,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
             )
             engine.trace_path = None if writer is None else writer.path
             engine.compute = compute_card(model)
+            engine.adapters = AdapterSlots(model, device, config)
             try:
                 yield engine
             finally:

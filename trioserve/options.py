@@ -271,6 +271,13 @@ OPTIONS: tuple[Option, ...] = (
        "how `/v1/embeddings` pools an input's final hidden states (after the last RMSNorm) into its vector: `mean` "
        "over all its tokens, or `last`, the last token's; either is then scaled to length 1 (docs/embeddings.md)",
        "TRIOSERVE_EMBEDDING_POOLING", choices=EMBEDDING_POOLING),
+    _o("--lora", "loras", TEXT, (),
+       "a LoRA adapter in PEFT's layout (a directory with `adapter_config.json` and `adapter_model.safetensors`) "
+       "for the first model, served as model `NAME`; may be given several times (docs/models.md)",
+       metavar="NAME=PATH", repeatable=True, shown_default="none"),
+    _o("--max-loras", "engine.max_loras", POSITIVE_INT, 4,
+       "LoRA adapters a model holds at once; rows of all of them and of the base model share each step", "TRIOSERVE_MAX_LORAS"),
+    _o("--max-lora-rank", "engine.max_lora_rank", POSITIVE_INT, 64, "the highest rank an adapter may have", "TRIOSERVE_MAX_LORA_RANK"),
     _o("--record", "engine.record_dir", TEXT, None,
        "write every engine-core input and output of this run to a new trace file in DIR, for `trioserve replay` "
        "(docs/replay.md)", "TRIOSERVE_RECORD", metavar="DIR", flag_reads_env=True, shown_default="off"),
@@ -391,6 +398,14 @@ def split_model(text: str) -> tuple[str | None, str]:
     if sep and name and path and "/" not in name:
         return name, path
     return None, text
+
+
+def lora_spec(text: str) -> tuple[str, str]:
+    """A `--lora` value: (NAME, PATH); ValueError without a name."""
+    name, path = split_model(text)
+    if name is None:
+        raise ValueError(f"--lora takes NAME=PATH (the adapter's model name, then its directory), got {text!r}")
+    return name, path
 
 
 def _flag_cell(opt: Option) -> str:

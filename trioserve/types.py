@@ -197,7 +197,10 @@ class GenerateRequest:
     pooling: set ("last" or "mean", POOLING_MODES), this is an embedding
     request: its prompt is prefilled like any other, nothing is generated,
     and its FinalEvent carries the pooled, L2-normalised final hidden state
-    (``params`` then only needs to be valid; state/pooling.py)."""
+    (``params`` then only needs to be valid; state/pooling.py).
+    adapter: the LoRA adapter the request runs with (its key: its name and
+    load number, so a reloaded adapter never meets its predecessor's KV),
+    None for the base model."""
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     params: SamplingParams = SamplingParams()
@@ -206,6 +209,7 @@ class GenerateRequest:
     retain: str | None = None
     guide: Guide | None = attrs.field(default=None, eq=False)  # this request's own output constraint
     pooling: str | None = None
+    adapter: str | None = None
 
 
 # -- one step: its plan and its result -------------------------------------
@@ -243,6 +247,7 @@ class PlanRow:
     sample: SampleRow | None = None
     guide: Guide | None = attrs.field(default=None, eq=False)
     pool: int = 0
+    adapter: str | None = None  # the LoRA adapter this row runs with (GenerateRequest.adapter)
 
 
 @attrs.frozen

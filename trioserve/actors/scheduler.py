@@ -81,6 +81,16 @@ class Scheduler:
         self._stop_cause = cause
         self.wake.set()
 
+    def fail_adapter(self, adapter: str, cause: str) -> int:
+        """End every request of LoRA adapter ``adapter`` with an error
+        event saying ``cause`` (at the next plan); how many there were."""
+        ids = self.core.requests_of(adapter)
+        for request_id in ids:
+            self.core.cancel(request_id, self.clock(), cause)
+        if ids:
+            self.wake.set()
+        return len(ids)
+
     def leave(self, request_id: str) -> None:
         """The consumer of ``request_id``'s events left before its end:
         the core cancels it (dropped from the next plan on). Nothing for a

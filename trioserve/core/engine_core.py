@@ -165,13 +165,20 @@ class EngineCore:
         self.seqs[request_id] = seq
         return None
 
-    def cancel(self, request_id: str, now: float) -> None:
+    def cancel(self, request_id: str, now: float, error: str | None = None) -> None:
         """Stop a request (its consumer left); it ends at the next `plan`
-        unless the step in flight ends it first. Unknown ids are ignored."""
+        unless the step in flight ends it first. Unknown ids are ignored.
+        With ``error``, it ends as failed with that cause (its LoRA adapter
+        is being unloaded) rather than cancelled."""
         self._now = now
         seq = self.seqs.get(request_id)
         if seq is not None:
             seq.cancelled = True
+            seq.error = error
+
+    def requests_of(self, adapter: str) -> list[str]:
+        """The requests, waiting or running, of LoRA adapter ``adapter``."""
+        return [rid for rid, seq in self.seqs.items() if seq.adapter == adapter]
 
     def settle(self, owner: str, order: str, request_id: str | None, now: float) -> None:
         """An owner's order about retained KV: "commit" or "cancel" the KV
@@ -194,7 +201,7 @@ class EngineCore:
             self.policy.cache.trim(now)
         events: list[Event] = []
         for seq in self.policy.drop_cancelled():
-            events.append(self._final(seq, "cancelled"))
+            events.append(self._final(seq, "cancelled") if seq.error is None else self._final(seq, "error", error=seq.error))
         for seq in self.policy.admit(now):
             self.stats.queue_wait.add(now - seq.arrival)
         rows = self.policy.plan()
@@ -294,6 +301,7 @@ class EngineCore:
             retain=request.retain,
             guide=request.guide,
             pooling=request.pooling,
+            adapter=request.adapter,
         )
 
     def _plan_row(self, row: PlannedRow) -> PlanRow:
@@ -311,6 +319,7 @@ class EngineCore:
             sample,
             seq.guide if sample is not None else None,
             row.pool,
+            seq.adapter,
         )
 
     def _pool(self, rows: list[PlannedRow], pooling: list[PlannedRow], pooled) -> list[Event]:

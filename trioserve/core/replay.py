@@ -133,7 +133,7 @@ def _feed(core: EngineCore, record: dict, line: int, compile_guide, summary: Sum
         refusal = core.submit(record["id"], request_from_json(record["request"], compile_guide), now)
         return _compare(line, None, record["id"], record["out"], refusal_json(refusal))
     if kind == "cancel":
-        core.cancel(record["id"], now)
+        core.cancel(record["id"], now, record.get("error"))
         return None
     if kind == "settle":
         core.settle(record["owner"], record["order"], record["id"], now)

@@ -98,6 +98,8 @@ def request_json(request: GenerateRequest) -> dict:
     }
     if request.pooling is not None:  # an embedding request (absent otherwise, as before it existed)
         out["pooling"] = request.pooling
+    if request.adapter is not None:  # a LoRA adapter's request (absent otherwise, as before adapters existed)
+        out["adapter"] = request.adapter
     return out
 
 
@@ -110,6 +112,7 @@ def request_from_json(data: dict, compile_guide: Callable[[dict], Any]) -> Gener
         retain=data["retain"],
         guide=guide,
         pooling=data.get("pooling"),
+        adapter=data.get("adapter"),
     )
 
 
@@ -255,9 +258,15 @@ class Recording:
         self.writer.write({"in": "submit", "now": now, "id": request_id, "request": request_json(request), "out": refusal_json(refusal)})
         return refusal
 
-    def cancel(self, request_id: str, now: float) -> None:
-        self.core.cancel(request_id, now)
-        self.writer.write({"in": "cancel", "now": now, "id": request_id})
+    def cancel(self, request_id: str, now: float, error: str | None = None) -> None:
+        self.core.cancel(request_id, now, error)
+        record = {"in": "cancel", "now": now, "id": request_id}
+        if error is not None:  # absent otherwise, as before it existed
+            record["error"] = error
+        self.writer.write(record)
+
+    def requests_of(self, adapter: str) -> list[str]:
+        return self.core.requests_of(adapter)
 
     def settle(self, owner: str, order: str, request_id: str | None, now: float) -> None:
         self.core.settle(owner, order, request_id, now)

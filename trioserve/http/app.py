@@ -29,6 +29,7 @@ from trioserve.http.embeddings import add_embedding_routes
 from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.guard import bearer_matches, form_content_type
 from trioserve.http.in_flight import InFlight
+from trioserve.http.lora import add_lora_routes
 from trioserve.http.registry import load_startup_models, open_registry
 from trioserve.http.rerank import add_rerank_routes
 from trioserve.http.responses import add_response_routes
@@ -126,6 +127,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
 
     add_status_routes(app, state)
     add_admin_routes(app, state)
+    add_lora_routes(app, state)
     add_completion_routes(app, state)
     state.sessions = add_session_routes(app, state)
     add_embedding_routes(app, state)

@@ -33,7 +33,7 @@ def add_completion_routes(app, state: ServerState) -> None:
                 prompts=[Prompt("", prompt_ids, params)], n=req.n, logprobs=req.logprobs,
                 guides=await compile_guides(engine, req, req.n), stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                **output_parsing(model, req.tools, req.tool_choice),
+                adapter=model.adapter_key, **output_parsing(model, req.tools, req.tool_choice),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
@@ -54,7 +54,7 @@ def add_completion_routes(app, state: ServerState) -> None:
                 prompts=[Prompt(text, ids, sampling_params(req, default_max_tokens=default_max_tokens(state, engine, ids, "prompt"))) for text, ids in prompts],
                 n=req.n, logprobs=req.logprobs is not None, echo=req.echo,
                 guides=await compile_guides(engine, req, req.n * len(prompts)), stream=req.stream,
-                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage), adapter=model.adapter_key,
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)

@@ -202,14 +202,14 @@ def ended_badly(engine, final: FinalEvent, what: str) -> HTTPError:
     return HTTPError(status, final.error or f"the {what} ended with {final.finish_reason}", kind="server_error")
 
 
-async def embed_all(engine, prompts: Sequence[list[int]], window: int) -> list[FinalEvent]:
+async def embed_all(engine, prompts: Sequence[list[int]], window: int, adapter: str | None = None) -> list[FinalEvent]:
     """Every prompt's FinalEvent, in order, with at most ``window`` of them
-    in the engine at once. The first refusal or failure cancels the rest and
+    in the engine at once (run with LoRA adapter ``adapter``, if any). The first refusal or failure cancels the rest and
     is raised; cancelled, every request still in the engine is cancelled."""
     base = f"embd-{secrets.token_hex(8)}"
 
     async def embed_one(i: int) -> FinalEvent:
-        final = await engine.embed(prompts[i], request_id=f"{base}-{i}")
+        final = await engine.embed(prompts[i], request_id=f"{base}-{i}", adapter=adapter)
         if final.finish_reason != "stop" or final.embedding is None:
             raise ended_badly(engine, final, "embedding")
         return final
@@ -244,7 +244,7 @@ def add_embedding_routes(app, state: ServerState) -> None:
             engine = model.engine
             check_dimensions(req.dimensions, engine.hidden_size)
             prompts = await off_loop(prompt_ids, engine, req.input, input_limit(engine))
-            finals = await embed_all(engine, prompts, engine_window(engine))
+            finals = await embed_all(engine, prompts, engine_window(engine), model.adapter_key)
             if len(finals) * engine.hidden_size > BIG_RESPONSE:
                 text = await off_loop(response_body, finals, req.encoding_format, model.name)
             else:

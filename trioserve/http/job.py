@@ -68,6 +68,7 @@ class GenerationJob:
     include_usage: bool = False
     draw_start: int = 0
     retain: str | None = None
+    adapter: str | None = None  # the LoRA adapter's key its rows run with (registry.Adapter), None for the base model
 
     def __attrs_post_init__(self) -> None:
         if not self.prompts:
@@ -101,8 +102,8 @@ class GenerationJob:
         if index % self.n:
             params = attrs.evolve(params, seed=resolve_seed(params.seed, index % self.n))
         if index == 0:
-            return GenerateRequest(prompt.ids, params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide)
-        return GenerateRequest(prompt.ids, params, guide=guide)
+            return GenerateRequest(prompt.ids, params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide, adapter=self.adapter)
+        return GenerateRequest(prompt.ids, params, guide=guide, adapter=self.adapter)
 
     def parser(self, index: int) -> OutputParser | None:
         """Choice ``index``'s output parser, when there is anything to split

@@ -36,6 +36,7 @@ from trioserve.http.errors import HTTPError
 from trioserve.http.in_flight import at_request_end
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
+from trioserve.models.lora import load_lora_adapter
 from trioserve.models.output_parser import THINK_OPEN
 from trioserve.progress import ProgressBar
 
@@ -44,31 +45,14 @@ LOAD_RETRY_AFTER_S = 5  # what a 503 for a model still loading tells the client 
 STOP_GRACE_S = 10.0  # after an unload's error events, how long its requests get to send them
 
 
-class Model:
-    """One served model: its name, its engine's config and, once ready, the
-    engine and what the routes need of it (chat template, reasoning split)."""
+class Held:
+    """Counts the HTTP requests that hold something (a model, an adapter)
+    from their route until their last byte, and waits for none to."""
 
-    def __init__(self, name: str, config: EngineConfig, *, reasoning_parser: str, checkpoint: Checkpoint | None = None) -> None:
-        self.name = name
-        self.config = config
-        self.reasoning_parser = reasoning_parser
-        self.checkpoint = checkpoint  # preloaded, or None to load config.model
-        self.state = "loading"
-        self.created = openai.now()
-        self.engine: Engine | None = None
-        self.template: ChatTemplate | None = None
-        self.reasoning = False  # split <think> reasoning out of replies
-        self.scope = trio.CancelScope()  # cancelled: the engine stops
-        self.stopped = trio.Event()  # the engine's block is left: its memory is let go
+    def __init__(self) -> None:
         self.in_flight = 0  # HTTP requests routed here and not yet over
         self._idle = trio.Event()
         self._idle.set()
-
-    @property
-    def bytes(self) -> int:
-        """What the memory budget counts for this model: its weights file
-        (the directory's files for a Hugging Face one) plus its KV pool."""
-        return weights_bytes(self.config.model) + self.config.kv_cache_bytes
 
     def hold(self) -> None:
         """One more request in flight; let go when that HTTP request is over."""
@@ -83,9 +67,36 @@ class Model:
             self._idle.set()
 
     async def idle(self) -> None:
-        """Return once no request holds this model."""
+        """Return once no request holds this."""
         while self.in_flight:
             await self._idle.wait()
+
+
+class Model(Held):
+    """One served model: its name, its engine's config and, once ready, the
+    engine and what the routes need of it (chat template, reasoning split)."""
+
+    adapter_key: str | None = None  # a base model runs no LoRA adapter
+
+    def __init__(self, name: str, config: EngineConfig, *, reasoning_parser: str, checkpoint: Checkpoint | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.config = config
+        self.reasoning_parser = reasoning_parser
+        self.checkpoint = checkpoint  # preloaded, or None to load config.model
+        self.state = "loading"
+        self.created = openai.now()
+        self.engine: Engine | None = None
+        self.template: ChatTemplate | None = None
+        self.reasoning = False  # split <think> reasoning out of replies
+        self.scope = trio.CancelScope()  # cancelled: the engine stops
+        self.stopped = trio.Event()  # the engine's block is left: its memory is let go
+
+    @property
+    def bytes(self) -> int:
+        """What the memory budget counts for this model: its weights file
+        (the directory's files for a Hugging Face one) plus its KV pool."""
+        return weights_bytes(self.config.model) + self.config.kv_cache_bytes
 
     async def serve(self, named: bool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the engine until `scope` is cancelled. Reports started once
@@ -126,6 +137,51 @@ class Model:
         return card
 
 
+class Adapter(Held):
+    """A LoRA adapter served as a model of its own name over its base
+    model's engine: routed to like a model, its rows run with the adapter
+    (GenerateRequest.adapter is its key, fresh for every load, so a
+    reloaded adapter never meets its predecessor's cached KV)."""
+
+    def __init__(self, name: str, base: Model, key: str, path: str) -> None:
+        super().__init__()
+        self.name = name
+        self.base = base
+        self.key = key
+        self.path = path
+        self.state = "loading"
+        self.rank = 0
+        self.created = openai.now()
+
+    @property
+    def adapter_key(self) -> str:
+        return self.key
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.base.engine
+
+    @property
+    def template(self) -> ChatTemplate | None:
+        return self.base.template
+
+    @property
+    def reasoning(self) -> bool:
+        return self.base.reasoning
+
+    def hold(self) -> None:
+        super().hold()
+        self.base.hold()  # an unload of the base model drains its adapters' requests too
+
+    def card(self) -> dict:
+        """The adapter as /v1/models lists it (vLLM's shape: its base model as ``parent``)."""
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "trioserve", "state": self.state, "parent": self.base.name}
+
+    def describe(self) -> dict:
+        """The adapter as GET /v1/lora_adapters lists it."""
+        return {"name": self.name, "base_model": self.base.name, "path": self.path, "rank": self.rank, "state": self.state, "requests_in_flight": self.in_flight}
+
+
 def weights_bytes(path: str) -> int:
     """The size of a model's weights on disk: a file's, or the weight files
     of a directory (0 where it cannot be read: the load then says why)."""
@@ -148,6 +204,8 @@ class Registry:
     def __init__(self, settings: ServerSettings, nursery: trio.Nursery) -> None:
         self.settings = settings
         self.models: dict[str, Model] = {}
+        self.adapters: dict[str, Adapter] = {}
+        self._loads = 0  # adapters loaded so far: each load's key is new
         self._nursery = nursery
         self._load_lock = trio.Lock()  # one load at a time
 
@@ -155,7 +213,7 @@ class Registry:
     def names(self) -> list[str]:
         return list(self.models)
 
-    def route(self, name: object, field: str = "model") -> Model:
+    def route(self, name: object, field: str = "model") -> Model | Adapter:
         """The ready model a request's ``model`` names, held for the rest of
         the request; with one model served, a request may leave it out."""
         if name is not None and not isinstance(name, str):
@@ -165,9 +223,9 @@ class Registry:
                 served = ", ".join(repr(n) for n in self.models) or "none"
                 raise RequestError(f"{field}: required, this server serves several models ({served})", field=field)
             name = next(iter(self.models))
-        model = self.models.get(name)
+        model = self.models.get(name) or self.adapters.get(name)
         if model is None:
-            served = ", ".join(repr(n) for n in self.models) or "none"
+            served = ", ".join(repr(n) for n in [*self.models, *self.adapters]) or "none"
             raise HTTPError(404, f"the model {name!r} does not exist (this server serves {served})", param=field, code="model_not_found")
         if model.state == "loading":
             raise HTTPError(
@@ -182,7 +240,7 @@ class Registry:
     def reserve(self, name: str, config: EngineConfig, *, checkpoint: Checkpoint | None = None) -> Model:
         """Take ``name`` for a model about to load (not routable yet), after
         checking it fits the memory budget; 409 when the name is taken."""
-        taken = self.models.get(name)
+        taken = self.models.get(name) or self.adapters.get(name)
         if taken is not None:
             raise HTTPError(409, f"the model name {name!r} is already {taken.state if taken.state != 'ready' else 'served'}", param="name", code="model_exists")
         model = Model(name, config, reasoning_parser=self.settings.reasoning_parser, checkpoint=checkpoint)
@@ -221,6 +279,8 @@ class Registry:
         model = self.models.get(name)
         if model is None:
             raise HTTPError(404, f"the model {name!r} does not exist", param="name", code="model_not_found")
+        if any(a.base is model for a in self.adapters.values()):
+            raise HTTPError(409, f"the model {name!r} has LoRA adapters loaded; unload them first", param="name", code="model_busy")
         if model.state != "ready":
             raise HTTPError(409, f"the model {name!r} is {model.state}", param="name", code="model_busy")
         model.state = "unloading"
@@ -235,7 +295,63 @@ class Registry:
         model.scope.cancel()
         await model.stopped.wait()
         del self.models[name]
-        release_memory()
+        for _ in range(3):  # what the engine's tasks let go of as they unwind, collected as it goes
+            release_memory()
+            await trio.sleep(0.05)
+        return {"name": name, "unloaded": True, "requests_in_flight": waiting, "requests_ended": ended}
+
+    # -- LoRA adapters -----------------------------------------------------------
+    async def load_adapter(self, name: str, path: str, base_name: str | None = None) -> Adapter:
+        """Read the PEFT adapter at ``path``, check it against its base model
+        (the only model, or ``base_name``), make it resident and publish it
+        under ``name``. 409 when the name is taken; AdapterError (400) naming
+        a mismatch; 400 when the base model holds --max-loras already."""
+        if base_name is None and len(self.models) != 1:
+            raise RequestError("base_model: required, this server serves several models", field="base_model")
+        base = self.models.get(base_name) if base_name is not None else next(iter(self.models.values()))
+        if base is None or base.state != "ready" or base.engine is None:
+            raise HTTPError(404, f"the base model {base_name!r} is not served (or not ready)", param="base_model", code="model_not_found")
+        taken = self.models.get(name) or self.adapters.get(name)
+        if taken is not None:
+            raise HTTPError(409, f"the model name {name!r} is already {taken.state if taken.state != 'ready' else 'served'}", param="name", code="model_exists")
+        slots = base.engine.adapters
+        if slots.loaded >= slots.capacity:
+            raise HTTPError(400, f"{base.name!r} holds {slots.loaded} adapters, as many as --max-loras ({slots.capacity}) allows; unload one first", param="name", code="too_many_adapters")
+        self._loads += 1
+        adapter = Adapter(name, base, f"{name}#{self._loads}", path)
+        self.adapters[name] = adapter  # reserved: routes answer 503 loading until it is in
+        try:
+            read = await trio.to_thread.run_sync(lambda: load_lora_adapter(path, slots.model_config, name=name, max_rank=slots.max_rank))
+            await slots.add(adapter.key, read)
+        except BaseException:
+            del self.adapters[name]
+            raise
+        adapter.rank = read.rank
+        adapter.state = "ready"
+        return adapter
+
+    async def unload_adapter(self, name: str, timeout_s: float) -> dict:
+        """Drain ``name`` as `unload` drains a model (its requests finish up
+        to ``timeout_s``, the rest end with an error event), then let it go."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise HTTPError(404, f"no LoRA adapter {name!r}", param="name", code="adapter_not_found")
+        if adapter.state != "ready":
+            raise HTTPError(409, f"the adapter {name!r} is {adapter.state}", param="name", code="adapter_busy")
+        adapter.state = "unloading"
+        waiting = adapter.in_flight
+        with trio.move_on_after(timeout_s):
+            await adapter.idle()
+        ended = 0
+        engine = adapter.engine
+        if adapter.in_flight and engine is not None:
+            ended = adapter.in_flight
+            engine.fail_adapter(adapter.key, f"the LoRA adapter {name!r} was unloaded")
+            with trio.move_on_after(STOP_GRACE_S):
+                await adapter.idle()
+        if engine is not None:
+            await engine.adapters.remove(adapter.key)
+        del self.adapters[name]
         return {"name": name, "unloaded": True, "requests_in_flight": waiting, "requests_ended": ended}
 
     def stats(self) -> list[dict]:
@@ -285,3 +401,5 @@ async def load_startup_models(registry: Registry, checkpoint: Checkpoint | None)
     reserved = [registry.reserve(name, config, checkpoint=checkpoint if i == 0 else None) for i, (name, config) in enumerate(specs)]
     for i, model in enumerate(reserved):
         await registry.load(model, named=i > 0)
+    for name, path in registry.settings.loras:  # --lora NAME=PATH: on the first model
+        await registry.load_adapter(name, path, reserved[0].name)

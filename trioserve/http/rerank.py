@@ -200,10 +200,10 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return max(-1.0, min(1.0, math.fsum((a * b).tolist())))
 
 
-async def _embedding_scores(engine, pairs: Pairs) -> tuple[list[float], int]:
+async def _embedding_scores(engine, pairs: Pairs, adapter: str | None) -> tuple[list[float], int]:
     limit = input_limit(engine)
     left, right = await off_loop(lambda: (prompt_ids(engine, pairs.left, limit), prompt_ids(engine, pairs.right, limit)))
-    finals = await embed_all(engine, left + right, engine_window(engine))
+    finals = await embed_all(engine, left + right, engine_window(engine), adapter)
 
     def scores() -> list[float]:
         vectors = [np.asarray(final.embedding, dtype=np.float64) for final in finals]
@@ -307,11 +307,11 @@ def yes_probability(top_logprobs: Sequence[tuple[int, float]], answers: AnswerId
     return 1.0 / (1.0 + math.exp(gap))
 
 
-async def _judge(engine, prompt: list[int], request_id: str, answers: AnswerIds) -> tuple[float, int]:
+async def _judge(engine, prompt: list[int], request_id: str, answers: AnswerIds, adapter: str | None) -> tuple[float, int]:
     """One pair's yes-no score and its prompt's token count."""
     top: tuple[tuple[int, float], ...] = ()
     final = None
-    async with engine.open_generation(GenerateRequest(prompt, JUDGE_PARAMS, request_id=request_id)) as events:
+    async with engine.open_generation(GenerateRequest(prompt, JUDGE_PARAMS, request_id=request_id, adapter=adapter)) as events:
         async for event in events:
             if isinstance(event, TokenEvent):
                 top = event.top_logprobs
@@ -326,7 +326,7 @@ async def _judge(engine, prompt: list[int], request_id: str, answers: AnswerIds)
 async def _yes_no_scores(engine, model: Model, pairs: Pairs) -> tuple[list[float], int]:
     answers, prompts = await off_loop(_judge_setup, engine, model, pairs)
     base = f"rank-{secrets.token_hex(8)}"
-    judged = await run_windowed(len(prompts), engine_window(engine), lambda i: _judge(engine, prompts[i], f"{base}-{i}", answers))
+    judged = await run_windowed(len(prompts), engine_window(engine), lambda i: _judge(engine, prompts[i], f"{base}-{i}", answers, model.adapter_key))
     return [score for score, _ in judged], sum(tokens for _, tokens in judged)
 
 
@@ -335,7 +335,7 @@ async def score_pairs(state: ServerState, model: Model, pairs: Pairs) -> tuple[l
     server's --rerank-method."""
     if state.settings.rerank_method == "yes-no":
         return await _yes_no_scores(model.engine, model, pairs)
-    return await _embedding_scores(model.engine, pairs)
+    return await _embedding_scores(model.engine, pairs, model.adapter_key)
 
 
 # --- answers

@@ -319,7 +319,7 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
             job = GenerationJob(
                 id=_item_id("resp"), shape="response", model=model.name, created=openai.now(),
                 prompts=[Prompt("", prompt_ids, params)], guides=guides, stream=chat.stream,
-                **output_parsing(model, chat.tools, chat.tool_choice),
+                adapter=model.adapter_key, **output_parsing(model, chat.tools, chat.tool_choice),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)

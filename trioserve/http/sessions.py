@@ -168,7 +168,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 prompts=[Prompt("", prompt_ids, params)], logprobs=req.logprobs,
                 guides=await compile_guides(engine, req, 1), stream=req.stream, include_usage=include_usage,
                 draw_start=0 if restart else session.draw_index, retain=session.id,
-                **output_parsing(model, req.tools, req.tool_choice),
+                adapter=model.adapter_key, **output_parsing(model, req.tools, req.tool_choice),
             )  # fmt: skip
             return Connection(job, engine, on_final=on_final)
 

@@ -22,11 +22,13 @@ def add_status_routes(app, state: ServerState) -> None:
 
     @app.route("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [m.card() for m in _models(state)]})
+        adapters = list(state.registry.adapters.values()) if state.registry is not None else []
+        return json_response({"object": "list", "data": [m.card() for m in [*_models(state), *adapters]]})
 
     @app.route("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        found = next((m for m in _models(state) if m.name == model_id), None)
+        adapters = list(state.registry.adapters.values()) if state.registry is not None else []
+        found = next((m for m in [*_models(state), *adapters] if m.name == model_id), None)
         if found is None:
             return error_response(HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"))
         return json_response(found.card())

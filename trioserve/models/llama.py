@@ -22,6 +22,7 @@ from trioserve.kernels.int4 import Int4Parts, concat_rows
 from trioserve.kernels.int6 import Int6Parts, concat_rows6
 from trioserve.kernels.int8w import Int8Parts, concat_rows8
 from trioserve.kernels.layer_runner import LayerRunner
+from trioserve.models.lora_set import LoraSet
 from trioserve.kernels.w16 import W16Parts, concat_rows16, pack_w16
 from trioserve.kernels.ops import Kernels, select_kernels
 from trioserve.kernels.projection import DenseLater, Int8Rows, Projection, StackedProjection
@@ -302,6 +303,8 @@ class LlamaModel:
         # (kernels/layer_runner.py): the same kernels and bits, without ~9 Python calls a layer.
         # None: layer by layer in Python (setting it to None runs a model that way).
         self.runner: LayerRunner | None = LayerRunner.for_model(self)
+        # LoRA adapters resident for this model; none until the engine allows some (--max-loras).
+        self.lora = LoraSet(config, self.dtype, capacity=0)
 
     @classmethod
     def from_checkpoint(
@@ -381,27 +384,28 @@ class LlamaModel:
         # rounding (±128) swamps the per-layer updates and derails greedy
         # decoding. Norm outputs are cast back to the weights' dtype for matmuls.
         h = (self.embed_rows(batch.token_ids) if self.embed_rows is not None else F.embedding(batch.token_ids, self.embed)).float()
-        if self.runner is not None:  # the loop below, in one C call
+        if self.runner is not None and not batch.lora_rows:  # the loop below, in one C call (the same bits)
             h = h.contiguous()
             self.runner.run(h, batch, cache.k, cache.v)
             return h
         gather = self._gather_buffers(batch, cache)
         d = batch.num_decode  # leading decode tokens: 4-bit weights where the model has them
 
-        def project(p: Projection, x: torch.Tensor) -> torch.Tensor:
-            return p.fixed(x, d) if self.batch_invariant else p(x, d)
+        def project(p: Projection, x: torch.Tensor, layer: int, name: str) -> torch.Tensor:
+            y = p.fixed(x, d) if self.batch_invariant else p(x, d)
+            return self.lora.apply(layer, name, x, y, batch.lora_rows, self.batch_invariant) if batch.lora_rows else y
 
         x = self._rms_norm(h, self.layers[0].attn_norm) if self.layers else None
         for i, layer in enumerate(self.layers):
-            qkv = project(layer.qkv, x)
+            qkv = project(layer.qkv, x, i, "qkv")
             # Pad rows (after batch.num_tokens) are rotated but never stored or read back.
             q = kernels.rope_write_kv(
                 qkv, batch.positions, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], batch.slot_mapping, c.num_heads, c.num_kv_heads
             )
             attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
-            x = self._add_rms_norm(h, project(layer.o, attn.reshape(-1, n_q)), layer.mlp_norm)
-            act = kernels.silu_mul(project(layer.gate_up, x))
-            down = project(layer.down, act)
+            x = self._add_rms_norm(h, project(layer.o, attn.reshape(-1, n_q), i, "o"), layer.mlp_norm)
+            act = kernels.silu_mul(project(layer.gate_up, x, i, "gate_up"))
+            down = project(layer.down, act, i, "down")
             if i + 1 < len(self.layers):
                 x = self._add_rms_norm(h, down, self.layers[i + 1].attn_norm)
             else:

@@ -48,6 +48,7 @@ class SeqChunk:
     start: int
     block_table: Sequence[int]
     decode: bool = False
+    adapter: str | None = None  # the LoRA adapter these tokens run with (models/lora_set.py)
 
 
 @attrs.frozen
@@ -94,6 +95,9 @@ class StepBatch:
     block_size: int = 1
     chunks: tuple[SeqChunk, ...] = ()
     fixed: bool = False  # batch-invariant arithmetic (LlamaModel.batch_invariant)
+    # The packed tokens of each LoRA adapter in the step, by adapter key
+    # (empty: every token runs on the base model alone).
+    lora_rows: tuple[tuple[str, torch.Tensor], ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -223,6 +227,12 @@ def build_step(
         pad = bucket(prompt_tokens) - prompt_tokens
         ids.extend([0] * pad)
         positions.extend([0] * pad)
+    by_adapter: dict[str, list[int]] = {}
+    at = 0
+    for chunk in chunks:
+        if chunk.adapter is not None:
+            by_adapter.setdefault(chunk.adapter, []).extend(range(at, at + len(chunk.token_ids)))
+        at += len(chunk.token_ids)
     groups = []
     if num_decode:
         groups.append(_group(chunks[:num_decode], 0, block_size, buckets, fixed, device, decode=True))
@@ -238,4 +248,5 @@ def build_step(
         block_size=block_size,
         chunks=tuple(chunks),
         fixed=fixed,
+        lora_rows=tuple((key, torch.tensor(rows, dtype=torch.long, device=device)) for key, rows in by_adapter.items()),
     )

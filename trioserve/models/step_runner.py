@@ -161,11 +161,11 @@ def step_chunks(plan: StepPlan) -> tuple[list[SeqChunk], list[int]]:
         if r.sample is not None and r.sample.draft:
             for i, token in enumerate(r.token_ids):
                 index.append(len(chunks))
-                chunks.append(SeqChunk((token,), r.start + i, r.block_table, decode=True))
+                chunks.append(SeqChunk((token,), r.start + i, r.block_table, decode=True, adapter=r.adapter))
             continue
         if r.sample is not None:
             index.append(len(chunks))
-        chunks.append(SeqChunk(r.token_ids, r.start, r.block_table, r.decode))
+        chunks.append(SeqChunk(r.token_ids, r.start, r.block_table, r.decode, r.adapter))
     return chunks, index
 
 

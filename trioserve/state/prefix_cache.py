@@ -59,6 +59,13 @@ def held_key(owner: str) -> str:
     return f"{owner}\x00held"
 
 
+def chain_root(adapter: str | None) -> bytes:
+    """Where a sequence's chain of block keys starts: one root for the base
+    model, and one per LoRA adapter, so no two adapters (nor an adapter and
+    the base model) ever share a cached block."""
+    return ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+
+
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
@@ -79,22 +86,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: Sequence[int], now: float) -> list[int]:
+    def match(self, tokens: Sequence[int], now: float, root: bytes = ROOT) -> list[int]:
         """Blocks holding the longest cached prefix of ``tokens`` in whole
         blocks, leaving at least the last token uncached: a request always
         computes its own last prompt token, so its first new token is sampled
         from its own logits. Marks the hits as used now; counts nothing
         (see `record`), since a request may be matched again while it waits."""
-        blocks, keys = self._cached_chain(tokens, (len(tokens) - 1) // self.block_size)
+        blocks, keys = self._cached_chain(tokens, (len(tokens) - 1) // self.block_size, root)
         self._touch(keys, now)
         return blocks
 
-    def _cached_chain(self, tokens: Sequence[int], limit: int) -> tuple[list[int], list[bytes]]:
+    def _cached_chain(self, tokens: Sequence[int], limit: int, root: bytes = ROOT) -> tuple[list[int], list[bytes]]:
         """Blocks and keys of the cached chain of ``tokens``' first ``limit``
-        whole blocks, up to the first block the cache does not hold."""
+        whole blocks (from ``root``: `chain_root`), up to the first block the
+        cache does not hold."""
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent = ROOT
+        parent = root
         for i in range(limit):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = block_key(parent, chunk)
@@ -119,14 +127,14 @@ class PrefixCache:
         self._query_tokens += query_tokens
         self._hit_tokens += hit_tokens
 
-    def register(self, tokens: Sequence[int], table: Sequence[int], now: float) -> int:
+    def register(self, tokens: Sequence[int], table: Sequence[int], now: float, root: bytes = ROOT) -> int:
         """Remember the full blocks of ``tokens`` (whose KV is in ``table``).
         Blocks already known keep their existing copy. Returns how many
         blocks were added. Limits are applied by `trim`, once the caller
         has let go of the blocks."""
         added = 0
         keys: list[bytes] = []
-        parent = ROOT
+        parent = root
         for i in range(len(tokens) // self.block_size):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = block_key(parent, chunk)
@@ -144,11 +152,11 @@ class PrefixCache:
         return sum(1 for e in self._entries.values() if self.pool.refcount(e.block) == 1)
 
     # -- pins ---------------------------------------------------------------
-    def pin(self, owner: str, tokens: Sequence[int], now: float) -> int:
+    def pin(self, owner: str, tokens: Sequence[int], now: float, root: bytes = ROOT) -> int:
         """Pin the cached chain of ``tokens``' full blocks for ``owner``,
         replacing what it pinned before. Returns the tokens pinned (the
         chain stops at the first block not in the cache)."""
-        blocks, keys = self._cached_chain(tokens, len(tokens) // self.block_size)
+        blocks, keys = self._cached_chain(tokens, len(tokens) // self.block_size, root)
         self.pool.share(blocks)  # before letting the old pins go: they may overlap
         self._pin_counts.update(blocks)
         self.unpin(owner)

@@ -47,7 +47,7 @@ import attrs
 from trioserve.errors import QueueFull, RequestTooLarge
 from trioserve.state.kv_pool import BlockPool, blocks_needed
 from trioserve.state.ngram import propose
-from trioserve.state.prefix_cache import PrefixCache, held_key
+from trioserve.state.prefix_cache import PrefixCache, chain_root, held_key
 from trioserve.state.sequence import Sequence
 
 
@@ -205,7 +205,7 @@ class SchedulingPolicy:
         prefix blocks first, then fresh ones, evicting idle cached blocks if
         that makes room. False (and nothing held) when it does not fit yet."""
         lookup = self.cache is not None and seq.pooling is None
-        shared = self.cache.match(seq.prompt_ids, now) if lookup else []
+        shared = self.cache.match(seq.prompt_ids, now, chain_root(seq.adapter)) if lookup else []
         if shared:
             self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them
         missing = blocks_needed(seq.max_total, self.pool.block_size) - len(shared)
@@ -306,10 +306,11 @@ class SchedulingPolicy:
             computed = seq.history()[: seq.num_cached]
             if not self.share_generated_kv:
                 computed = computed[: len(seq.prompt_ids)]
-            self.cache.register(computed, self.pool.table(seq.id), now)
+            root = chain_root(seq.adapter)
+            self.cache.register(computed, self.pool.table(seq.id), now, root)
             if seq.retain is not None and reason in ("stop", "length"):
                 # Held for the owner until it settles the turn (see `settle`).
-                self.cache.pin(held_key(seq.retain), computed, now)
+                self.cache.pin(held_key(seq.retain), computed, now, root)
                 self.held[seq.retain] = seq.id
         self.pool.free_sequence(seq.id)
         if self.cache is not None:

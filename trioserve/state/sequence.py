@@ -37,6 +37,7 @@ class Sequence:
     cached_prompt: int = 0  # of the prompt, tokens the prefix cache held at admission (usage's cached_tokens)
     draw_index: int = 0
     cancelled: bool = False
+    error: str | None = None  # cancelled as failed, with this cause (EngineCore.cancel)
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -46,6 +47,7 @@ class Sequence:
     # An embedding request (types.GenerateRequest.pooling): "last" or
     # "mean", the fixed-point sums pooled so far and how many rows they hold.
     pooling: str | None = None
+    adapter: str | None = None  # the LoRA adapter's key (types.GenerateRequest.adapter); its KV is its own
     pool_sums: list[int] | None = None
     pooled_rows: int = 0
 
