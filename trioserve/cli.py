@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from trioserve.config import CPU_FEATURES_ENV, EngineConfig, ServerSettings, batch_invariant_setting, cpu_features_setting, native_kernels_setting
 from trioserve.options import OPTIONS, SWITCH, Option, flag_or_env, option, positive_int, shown_default, lora_spec, split_model
-from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError
+from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError, sole_error
 from trioserve.types import RANGES
 
 
@@ -192,7 +192,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         final = trio.run(_run_generation, config, checkpoint, request, params, lambda: progress.finish(f" ({checkpoint.path}, {dtype})"))
     except BaseExceptionGroup as group:  # the engine's nursery wraps what its body raised
-        raise _sole_error(group) from None
+        raise sole_error(group) from None
     sys.stdout.write("\n")
     print(
         f"[{final.usage.prompt_tokens} prompt tokens, {final.usage.completion_tokens} generated, finish: {final.finish_reason}]",
@@ -221,20 +221,6 @@ async def _run_generation(config: EngineConfig, checkpoint, request, params, loa
     if final.finish_reason == "error":
         raise TrioserveError(f"generation failed: {final.error}")
     return final
-
-
-def _sole_error(group: BaseExceptionGroup) -> BaseException:
-    """The one exception inside ``group`` (nested groups included), or the
-    group itself when there are several."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    return leaves[0] if len(leaves) == 1 else group
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -65,3 +65,18 @@ class EngineDead(TrioserveError):
 
 class EngineClosed(TrioserveError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+def sole_error(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside ``group`` (nested groups included), or the
+    group itself when there are several: what a nursery's wrapping hides
+    when one thing failed."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else group

@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 
 from trioserve.actors.session import open_session_actors
 from trioserve.config import ServerSettings, settings_from_env
+from trioserve.errors import sole_error
 from trioserve.http.admin import add_admin_routes
 from trioserve.http.completions import add_completion_routes
 from trioserve.http.edge import ServerState
@@ -44,6 +45,13 @@ PULL_GRACE_S = 5.0
 
 
 async def _serve_models(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    try:
+        await _run_models(state, task_status=task_status)
+    except BaseExceptionGroup as group:  # a start-up model that failed to load: its own error, as one line
+        raise sole_error(group) from None
+
+
+async def _run_models(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     with state.engine_scope:
         # The engines run in the registry's nursery; the session actors in
         # one inside it: when the app stops, their turns end first
