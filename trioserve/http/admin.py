@@ -40,12 +40,16 @@ def _admin_refusal(state: ServerState) -> HTTPError | None:
     return None
 
 
-def _text(body: dict, field: str, *, required: bool = True) -> str | None:
+def body_text(body: dict, field: str, *, required: bool = True, limit: int | None = None) -> str | None:
+    """A JSON body's string ``field``: non-empty, at most ``limit``
+    characters; None when absent and not ``required``."""
     value = body.get(field)
     if value is None and not required:
         return None
     if not isinstance(value, str) or not value:
         raise RequestError(f"{field}: expected a non-empty string", field=field)
+    if limit is not None and len(value) > limit:
+        raise RequestError(f"{field}: at most {limit} characters", field=field)
     return value
 
 
@@ -109,10 +113,8 @@ def add_admin_routes(app, state: ServerState) -> None:
             body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
-            name = _text(body, "name")
-            if len(name) > MAX_NAME_CHARS:
-                raise RequestError(f"name: at most {MAX_NAME_CHARS} characters", field="name")
-            path = _text(body, "path")
+            name = body_text(body, "name", limit=MAX_NAME_CHARS)
+            path = body_text(body, "path")
             config = load_config(state.settings.engine, path, body.get("options"))
             model = registry.reserve(name, config)  # 409 when taken; 400 over the memory budget
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an error body
@@ -134,7 +136,7 @@ def add_admin_routes(app, state: ServerState) -> None:
             body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
-            name = _text(body, "name")
+            name = body_text(body, "name")
             timeout_s = _timeout(body)
             return json_response(await state.registry.unload(name, timeout_s))
         except Exception as exc:  # noqa: BLE001

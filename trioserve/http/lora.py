@@ -17,7 +17,7 @@ import math
 from quart import Response, request
 
 from trioserve.errors import RequestError
-from trioserve.http.admin import MAX_NAME_CHARS
+from trioserve.http.admin import MAX_NAME_CHARS, body_text
 from trioserve.http.edge import ServerState, read_body
 from trioserve.http.errors import HTTPError, error_response, json_response
 
@@ -28,17 +28,6 @@ def _registry(state: ServerState):
     if state.registry is None or state.phase != "ok":
         raise HTTPError(503, f"the server is {state.phase}", kind="server_error", code=state.phase)
     return state.registry
-
-
-def _string(body: dict, field: str, *, required: bool = True) -> str | None:
-    value = body.get(field)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value:
-        raise RequestError(f"{field}: expected a non-empty string", field=field)
-    if len(value) > MAX_NAME_CHARS and field != "path":
-        raise RequestError(f"{field}: at most {MAX_NAME_CHARS} characters", field=field)
-    return value
 
 
 def _timeout(text: str | None) -> float:
@@ -69,9 +58,9 @@ def add_lora_routes(app, state: ServerState) -> None:
             body = await read_body(state)
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
-            name = _string(body, "name")
-            path = _string(body, "path")
-            base = _string(body, "base_model", required=False)
+            name = body_text(body, "name", limit=MAX_NAME_CHARS)
+            path = body_text(body, "path")
+            base = body_text(body, "base_model", required=False, limit=MAX_NAME_CHARS)
             adapter = await registry.load_adapter(name, path, base)
         except Exception as exc:  # noqa: BLE001 - a bad adapter, a taken name, a full base model: an error body
             return error_response(exc)

@@ -284,14 +284,8 @@ class Registry:
         if model.state != "ready":
             raise HTTPError(409, f"the model {name!r} is {model.state}", param="name", code="model_busy")
         model.state = "unloading"
-        waiting = model.in_flight
-        with trio.move_on_after(timeout_s):
-            await model.idle()
-        ended = model.in_flight
-        if ended and model.engine is not None:
-            model.engine.stop(f"the model {name!r} was unloaded")
-            with trio.move_on_after(STOP_GRACE_S):
-                await model.idle()
+        engine = model.engine
+        waiting, ended = await _drain(model, timeout_s, lambda: engine.stop(f"the model {name!r} was unloaded"))
         model.scope.cancel()
         await model.stopped.wait()
         del self.models[name]
@@ -339,16 +333,8 @@ class Registry:
         if adapter.state != "ready":
             raise HTTPError(409, f"the adapter {name!r} is {adapter.state}", param="name", code="adapter_busy")
         adapter.state = "unloading"
-        waiting = adapter.in_flight
-        with trio.move_on_after(timeout_s):
-            await adapter.idle()
-        ended = 0
         engine = adapter.engine
-        if adapter.in_flight and engine is not None:
-            ended = adapter.in_flight
-            engine.fail_adapter(adapter.key, f"the LoRA adapter {name!r} was unloaded")
-            with trio.move_on_after(STOP_GRACE_S):
-                await adapter.idle()
+        waiting, ended = await _drain(adapter, timeout_s, lambda: engine.fail_adapter(adapter.key, f"the LoRA adapter {name!r} was unloaded"))
         if engine is not None:
             await engine.adapters.remove(adapter.key)
         del self.adapters[name]
@@ -366,6 +352,21 @@ class Registry:
                 "running": stats.running if stats else 0, "waiting": stats.waiting if stats else 0,
             })  # fmt: skip
         return out
+
+
+async def _drain(held: Held, timeout_s: float, end_the_rest) -> tuple[int, int]:
+    """Let ``held``'s requests in flight finish for up to ``timeout_s``;
+    then ``end_the_rest()`` (each gets an error event) and give them
+    STOP_GRACE_S to send it. (Requests in flight at first, requests ended.)"""
+    waiting = held.in_flight
+    with trio.move_on_after(timeout_s):
+        await held.idle()
+    ended = held.in_flight
+    if ended:
+        end_the_rest()
+        with trio.move_on_after(STOP_GRACE_S):
+            await held.idle()
+    return waiting, ended
 
 
 def release_memory() -> None:

@@ -304,7 +304,7 @@ class LlamaModel:
         # None: layer by layer in Python (setting it to None runs a model that way).
         self.runner: LayerRunner | None = LayerRunner.for_model(self)
         # LoRA adapters resident for this model; none until the engine allows some (--max-loras).
-        self.lora = LoraSet(config, self.dtype, capacity=0)
+        self.lora = LoraSet(config, self.dtype, capacity=0, device=self.device)
 
     @classmethod
     def from_checkpoint(

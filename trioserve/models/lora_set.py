@@ -28,7 +28,9 @@ from trioserve.kernels.tiled import tiled_linear
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
-def _fused(adapter, layer: int, targets: tuple[str, ...], outs: list[int], in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _fused(
+    adapter, layer: int, targets: tuple[str, ...], outs: list[int], in_features: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(A [k r, in], B [sum(outs), k r]) of one fused projection, B scaled;
     None when the adapter touches none of its targets in this layer."""
     parts = adapter.weights.get(layer, {})
@@ -44,16 +46,17 @@ def _fused(adapter, layer: int, targets: tuple[str, ...], outs: list[int], in_fe
             a[i * r : (i + 1) * r] = lora_a
             b[row : row + out, i * r : (i + 1) * r] = lora_b * adapter.scale
         row += out
-    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    return a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous()
 
 
 class LoraSet:
     """The adapters a model holds, by key, each as its fused matrices per
     layer; at most ``capacity`` at once (--max-loras)."""
 
-    def __init__(self, config, dtype: torch.dtype, capacity: int) -> None:
+    def __init__(self, config, dtype: torch.dtype, capacity: int, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
         self.capacity = capacity
         self._layers: dict[str, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -77,7 +80,7 @@ class LoraSet:
             fused = {}
             for name, targets in FUSED.items():
                 outs, in_features = shapes[name]
-                made = _fused(adapter, layer, targets, outs, in_features, self.dtype)
+                made = _fused(adapter, layer, targets, outs, in_features, self.dtype, self.device)
                 if made is not None:
                     fused[name] = made
             layers.append(fused)
