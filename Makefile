@@ -13,9 +13,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Serves the default model's OpenAI-compatible API on 127.0.0.1:8000.
-# Extra options: make serve ARGS="--port 9000 --api-key secret"
+# Extra options: make serve ARGS="--port 9000 --api-key secret"; other
+# models: ARGS="--model chat=/models/a.gguf --model small=smollm2" (the
+# default, smollm2, is served when no --model is given).
 serve: $(STAMP)
-	$(VENV)/bin/trioserve serve --model smollm2 --host 127.0.0.1 --port 8000 $(ARGS)
+	$(VENV)/bin/trioserve serve --host 127.0.0.1 --port 8000 $(ARGS)
 
 test: $(STAMP) arm-tools
 	$(PY) -m pytest -q
