@@ -21,6 +21,15 @@ import pytest
 from tests.tiny_model import build_tiny_checkpoints
 
 
+@pytest.fixture(autouse=True)
+def own_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's servers keep their durable state (--state-dir auto, the
+    default) in a data directory of the test's own, never the user's."""
+    data = tmp_path_factory.mktemp("data")
+    monkeypatch.setenv("XDG_DATA_HOME", str(data))
+    return data
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _native_kernels_built() -> None:
     """Build (or find) the C kernels before the first test, so that no test

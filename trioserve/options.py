@@ -292,6 +292,10 @@ OPTIONS: tuple[Option, ...] = (
     _o("--allow-special-in-prompt", "allow_special_in_prompt", SWITCH, False,
        "a `/v1/completions` text prompt that spells a special token (`<|im_start|>`) gets its id; off, it is "
        "tokenized as text like all client text (see api.md, \"Special tokens\")", "TRIOSERVE_ALLOW_SPECIAL_IN_PROMPT"),
+    _o("--state-dir", "state_dir", TEXT, "auto",
+       "where sessions and stored responses are kept across restarts (an SQLite file, `state.sqlite3`, in DIR): `auto` "
+       "is the user's data directory (`$XDG_DATA_HOME/trioserve`, else `~/.local/share/trioserve`), `none` keeps them "
+       "in memory only, as before (docs/sessions.md, \"Durability\")", "TRIOSERVE_STATE_DIR", metavar="DIR"),
     _o("--max-sessions", "max_sessions", POSITIVE_INT, 1024,
        "sessions kept at once; beyond it idle ones go, least recently used first", "TRIOSERVE_MAX_SESSIONS"),
     _o("--session-idle", "session_idle_s", SECONDS, 3600.0, "seconds an idle session is kept", "TRIOSERVE_SESSION_IDLE"),

@@ -79,7 +79,7 @@ class TurnJob(Protocol):
 class RunTurn:
     """Run the pinned session's turn; what it produces goes back on the line."""
 
-    prepare: Callable[[Session, Callable[[Any], None]], Awaitable[TurnJob]]  # the generation, from the pinned session and the commit hook
+    prepare: Callable[[Session, Callable[[Any], Awaitable[None]]], Awaitable[TurnJob]]  # the generation, from the pinned session and the commit hook
     outcome: Callable[[Any], Turn]  # what the turn adds, from its final choice
     stream: bool
 
@@ -243,13 +243,16 @@ class SessionActor:
             return True
         return False
 
-    def _commit(self, order: RunTurn, choice: Any) -> None:
-        """The final response is being made: the turn becomes history, and
-        its KV the session's. Not if the handler left first: then the turn
-        is cancelled on the way out, as if the client left a moment earlier."""
+    async def _commit(self, order: RunTurn, choice: Any) -> None:
+        """The final response is being made: the turn becomes history (on
+        disk first, with a state store), and its KV the session's. Not if the
+        handler left first: then the turn is cancelled on the way out, as if
+        the client left a moment earlier."""
         if not self.line.attached:
             return
-        self.store.commit(self.lease, order.outcome(choice), trio.current_time())  # StaleTurn if it ended already
+        pending = self.store.prepare_commit(self.lease, order.outcome(choice))  # StaleTurn if it ended already
+        await durably(self.store.write, pending, self.store.journal is not None)
+        self.store.apply(pending, trio.current_time())
         self.engine.settle_retained(self.session.id, self.request_id, commit=True)
 
     def _settle(self) -> None:
@@ -257,6 +260,18 @@ class SessionActor:
         held for it is let go. Only the first call does anything."""
         if self.store.cancel(self.lease, trio.current_time()) and self.request_id is not None:
             self.engine.settle_retained(self.session.id, self.request_id, commit=False)
+
+
+async def durably(write: Callable[[Any], None], item: Any, threaded: bool) -> None:
+    """``write(item)``: in a thread when ``threaded`` (a state store's
+    fsync, off the event loop), and once begun it runs to its end whatever
+    is cancelled meanwhile (the commit may be on disk already, so what
+    follows it must happen too: the caller's next lines have no checkpoint)."""
+    if not threaded:
+        write(item)
+        return
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(write, item)
 
 
 class SessionActors:

@@ -15,6 +15,7 @@ engine step."""
 from __future__ import annotations
 
 import os
+import sys
 
 import trio
 from quart import Response, request
@@ -37,6 +38,7 @@ from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.status import add_status_routes
 from trioserve.models.checkpoint import Checkpoint
+from trioserve.state.durable import StateDB, state_file
 
 # A session actor waits this long past the write timeout for its handler to
 # ask for the next chunk (a write takes at most the write timeout; past it
@@ -51,7 +53,34 @@ async def _serve_models(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
         raise sole_error(group) from None
 
 
+async def _open_state(state: ServerState) -> StateDB | None:
+    """The durable state store (--state-dir), opened and read back into the
+    sessions and stored responses; None when state is kept in memory only."""
+    path = state_file(state.settings.state_dir, os.environ)
+    if path is None:
+        return None
+    db = await trio.to_thread.run_sync(StateDB, path)
+    rows = await trio.to_thread.run_sync(db.load)
+    now = trio.current_time()
+    for store in (state.sessions, state.responses):
+        store.journal = db
+        store.restore(rows, now)
+    print(f"trioserve: state in {path} ({len(state.sessions)} sessions, {len(state.responses)} stored responses)", file=sys.stderr, flush=True)
+    return db
+
+
 async def _run_models(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    db = await _open_state(state)
+    try:
+        await _serve_registry(state, task_status=task_status)
+    finally:
+        if db is not None:
+            for store in (state.sessions, state.responses):
+                store.journal = None
+            db.close()
+
+
+async def _serve_registry(state: ServerState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     with state.engine_scope:
         # The engines run in the registry's nursery; the session actors in
         # one inside it: when the app stops, their turns end first

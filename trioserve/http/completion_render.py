@@ -44,9 +44,9 @@ class CompletionRender:
         """Usage's cached prompt tokens: those of each prompt's first choice."""
         return sum(final.usage.cached_tokens for final in finals)
 
-    def body(self, choices: list[openai.Choice]) -> Response:
+    async def body(self, choices: list[openai.Choice]) -> Response:
         job = self.job
-        self.conn.final(choices[0])
+        await self.conn.final(choices[0])
         if self.chat:
             return json_response(openai.chat_body(job.id, job.created, job.model, choices, job.prompt_tokens, self.tokenizer, job.logprobs))
         body = openai.envelope("text_completion", job.id, job.created, job.model)
@@ -99,7 +99,7 @@ class CompletionRender:
                         if isinstance(event, FinalEvent):
                             reasoning += choice.reasoning_tokens
                             if event.finish_reason != "error":
-                                conn.final(choice)
+                                await conn.final(choice)
                         for chunk, done_tokens in self._render(choice, event, deltas):
                             completion_tokens += done_tokens
                             yield chunk

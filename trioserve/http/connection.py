@@ -13,7 +13,7 @@ the scheduler drops the requests within one step."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Protocol
 
@@ -34,7 +34,7 @@ class Render(Protocol):
     def seen(self, choice: openai.Choice, deltas: list) -> None:
         """A buffered choice's event was added: ``deltas`` is the output it made certain."""
 
-    def body(self, choices: list[openai.Choice]) -> Response:
+    async def body(self, choices: list[openai.Choice]) -> Response:
         """The buffered response, once every choice ended well."""
 
     def refusal(self, exc: Exception) -> Response:
@@ -53,7 +53,12 @@ class Connection:
     goes out (the JSON body, or the last SSE chunk): a session commits there."""
 
     def __init__(
-        self, job: GenerationJob, engine, render: Callable[[Connection], Render] = CompletionRender, *, on_final: Callable[[openai.Choice], None] | None = None
+        self,
+        job: GenerationJob,
+        engine,
+        render: Callable[[Connection], Render] = CompletionRender,
+        *,
+        on_final: Callable[[openai.Choice], Awaitable[None]] | None = None,
     ) -> None:
         self.job = job
         self.engine = engine
@@ -76,10 +81,11 @@ class Connection:
         """The error a failed generation answers with (503 once the engine is dead)."""
         return HTTPError(503 if self.engine.statistics().dead else 500, final.error or "generation failed", kind="server_error")
 
-    def final(self, choice: openai.Choice) -> None:
-        """Choice ``choice``'s final response is about to be made."""
+    async def final(self, choice: openai.Choice) -> None:
+        """Choice ``choice``'s final response is about to be made (a
+        session's turn commits here, durably, before it goes out)."""
         if self.on_final is not None and choice.index == 0:
-            self.on_final(choice)
+            await self.on_final(choice)
 
     async def respond(self) -> Response:
         """One JSON body, or an SSE stream, as the job asks."""
@@ -113,7 +119,7 @@ class Connection:
         choices = await self.finished_choices()
         if isinstance(choices, Response):
             return choices
-        return self.render.body(choices)
+        return await self.render.body(choices)
 
     async def stream(self) -> Response:
         # Submit the first choice now, so a refusal (queue full, too long) is

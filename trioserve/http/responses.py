@@ -31,6 +31,7 @@ from typing import Any
 import trio
 from quart import Response
 
+from trioserve.actors.session import durably
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
@@ -231,15 +232,18 @@ class ResponseRender:
     def _status(self, choice: openai.Choice) -> str:
         return "incomplete" if choice.final.finish_reason == "length" else "completed"
 
-    def _kept(self, choice: openai.Choice) -> dict[str, Any]:
+    async def _kept(self, choice: openai.Choice) -> dict[str, Any]:
         """The ended response's object, once its output is closed; kept in
-        the store first when asked: the commit point."""
+        the store first when asked: the commit point (on disk, with a state
+        store, before the body or the last event goes out)."""
         body = self.resource(self._status(choice), choice)
         if self.req.store:
-            self.store.create(
+            kept = self.store.prepare_create(
                 trio.current_time(), created=self.job.created, session_id=self.job.id,
-                messages=[*self.history, *as_history(self.output.as_input())], record=body,
+                messages=[*self.history, *as_history(self.output.as_input())], record=body, model=self.job.model,
             )  # fmt: skip
+            await durably(self.store.write_create, kept, self.store.journal is not None)
+            self.store.insert(kept, trio.current_time())
         return body
 
     def refusal(self, exc: Exception) -> Response:
@@ -247,9 +251,9 @@ class ResponseRender:
             exc = responses_field(exc, [])
         return error_response(exc)
 
-    def body(self, choices: list[openai.Choice]) -> Response:
+    async def body(self, choices: list[openai.Choice]) -> Response:
         self.output.finish(self._status(choices[0]))
-        return json_response(self._kept(choices[0]))
+        return json_response(await self._kept(choices[0]))
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         payload = {**payload, "sequence_number": self.sequence}
@@ -276,7 +280,7 @@ class ResponseRender:
                 yield self._event({"type": "response.failed", "response": self.resource("failed", choice, error)})
                 return
             closing = self.output.finish(self._status(choice))
-            body = self._kept(choice)
+            body = await self._kept(choice)
             for payload in closing:
                 yield self._event(payload)
             yield self._event({"type": f"response.{body['status']}", "response": body})

@@ -24,7 +24,7 @@ actor cancels the turn in its own task."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 from quart import Response
@@ -156,7 +156,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
         restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def prepare(session: Session, on_final: Callable[[openai.Choice], None]) -> Connection:
+        async def prepare(session: Session, on_final: Callable[[openai.Choice], Awaitable[None]]) -> Connection:
             """The turn's generation from the pinned session (in the actor's
             task); ``on_final`` commits it."""
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, session.conversation(new), req.tools, req.tool_choice)

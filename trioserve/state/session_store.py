@@ -12,12 +12,19 @@ The turn's session actor is the only one that settles it; the lease is the
 second line of defence: a late or repeated settle from a turn that already
 ended is harmless, it can never end a later turn. Idle sessions are evicted
 least recently used beyond the count limit or after the idle limit; a
-pinned session is never evicted. Nothing persists across restarts."""
+pinned session is never evicted.
+
+With a ``journal`` (state/durable.py's StateDB) every change is written
+through to disk as well: a session made, a turn committed, a session
+deleted or evicted; `restore` brings them back after a restart. A commit
+can be split (`prepare_commit`, `write`, `apply`) so that the durable
+write runs in a thread before the commit shows anywhere."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -101,6 +108,16 @@ class TurnLease:
 
 
 @attrs.frozen
+class PendingCommit:
+    """A commit checked and laid out, not yet written nor applied."""
+
+    lease: TurnLease
+    turn: Turn
+    first: int  # the history position of the turn's first message
+    fields: dict[str, Any]
+
+
+@attrs.frozen
 class Turn:
     """What a committed turn adds."""
 
@@ -119,10 +136,16 @@ class SessionStore:
         idle_s: float | None = None,
         max_history_bytes: int | None = None,
         on_remove: Callable[[str], None] | None = None,
+        journal=None,
+        kind: str = "session",
     ) -> None:
         """``on_remove(session_id)`` is told of every session that goes
-        (deleted or evicted), so what is kept for it elsewhere can go too."""
+        (deleted or evicted), so what is kept for it elsewhere can go too.
+        ``journal``: a StateDB every change is written to (its rows of
+        ``kind``: "session" or "response")."""
         self.on_remove = on_remove
+        self.journal = journal
+        self.kind = kind
         self.max_sessions = max_sessions
         self.idle_s = idle_s
         self.max_history_bytes = max_history_bytes
@@ -135,7 +158,14 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(
+    def create(self, now: float, **fields: Any) -> Session:
+        """A new session, written (with a journal) and kept: ``fields`` as
+        `prepare_create` takes them."""
+        session = self.prepare_create(now, **fields)
+        self.write_create(session)
+        return self.insert(session, now)
+
+    def prepare_create(
         self,
         now: float,
         *,
@@ -148,9 +178,10 @@ class SessionStore:
         record: dict[str, Any] | None = None,
         model: str | None = None,
     ) -> Session:
-        """``now`` is the store's clock (for idleness); ``created`` the wall
-        time shown to clients (default ``now``). A stored response brings its
-        own id, its whole conversation as ``messages`` and its ``record``."""
+        """A new session, not yet written nor kept. ``now`` is the store's
+        clock (for idleness); ``created`` the wall time shown to clients
+        (default ``now``). A stored response brings its own id, its whole
+        conversation as ``messages`` and its ``record``."""
         self.expire(now)
         session = Session(
             session_id or f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed,
@@ -161,10 +192,43 @@ class SessionStore:
         session.size = sum(map(_message_bytes, session.messages))
         if record is not None:
             session.size += len(json.dumps(record, ensure_ascii=False).encode())
+        return session
+
+    def write_create(self, session: Session) -> None:
+        """The new session, durably on disk (blocking: may run in a thread);
+        nothing without a journal. Raises StateError, and nothing is kept."""
+        if self.journal is not None:
+            self.journal.create(session, self.kind, time.time())
+
+    def insert(self, session: Session, now: float) -> Session:
+        """The written session, kept in memory from now on."""
+        if session.id in self._sessions:
+            raise ValueError(f"a session {session.id!r} exists already")
         self._bytes += session.size
         self._sessions[session.id] = session
         self._enforce_count()
         return session
+
+    def restore(self, rows: list[dict[str, Any]], now: float) -> int:
+        """Bring back the sessions of this store's kind that `StateDB.load`
+        read (least recently used first); how many."""
+        count = 0
+        for row in rows:
+            if row["kind"] != self.kind or row["id"] in self._sessions:
+                continue
+            session = Session(
+                row["id"], row["created"], row["system"], row["defaults"], row["seed"], messages=row["messages"],
+                draw_index=row["draw_index"], turns=row["turns"], prompt_tokens=row["prompt_tokens"],
+                completion_tokens=row["completion_tokens"], last_used=now, record=row["record"], model=row["model"],
+            )  # fmt: skip
+            session.size = sum(map(_message_bytes, session.messages))
+            if session.record is not None:
+                session.size += len(json.dumps(session.record, ensure_ascii=False).encode())
+            self._bytes += session.size
+            self._sessions[session.id] = session
+            count += 1
+        self._enforce_count()
+        return count
 
     def get(self, session_id: str, now: float, *, use: bool = False) -> Session:
         """The session; with ``use`` it counts as used now (a stored
@@ -194,8 +258,33 @@ class SessionStore:
         return TurnLease(session, session.leases)
 
     def commit(self, lease: TurnLease, turn: Turn, now: float) -> None:
-        """The leased turn's final response was chosen: it becomes history.
-        Raises StaleTurn (changing nothing) when that turn already ended."""
+        """The leased turn's final response was chosen: it becomes history
+        (on disk first, with a journal). Raises StaleTurn (changing nothing)
+        when that turn already ended."""
+        pending = self.prepare_commit(lease, turn)
+        self.write(pending)
+        self.apply(pending, now)
+
+    def prepare_commit(self, lease: TurnLease, turn: Turn) -> PendingCommit:
+        """Check the lease and lay the commit out; StaleTurn when its turn ended."""
+        session = lease.session
+        if not lease.current:
+            raise StaleTurn(f"session {session.id!r}: turn {lease.number} already ended; it cannot commit")
+        fields = {
+            "seed": turn.seed, "draw_index": turn.draw_end, "turns": session.turns + 1,
+            "prompt_tokens": session.prompt_tokens + turn.prompt_tokens,
+            "completion_tokens": session.completion_tokens + turn.completion_tokens,
+        }  # fmt: skip
+        return PendingCommit(lease, turn, len(session.messages), fields)
+
+    def write(self, pending: PendingCommit) -> None:
+        """The commit, durably on disk (blocking: run it in a thread); nothing without a journal."""
+        if self.journal is not None:
+            self.journal.commit(pending.lease.session.id, pending.first, [dict(m) for m in pending.turn.messages], pending.fields, time.time())
+
+    def apply(self, pending: PendingCommit, now: float) -> None:
+        """The written commit, in memory: the history grows, the turn ends."""
+        lease, turn = pending.lease, pending.turn
         session = lease.session
         if not lease.current:
             raise StaleTurn(f"session {session.id!r}: turn {lease.number} already ended; it cannot commit")
@@ -238,6 +327,8 @@ class SessionStore:
                 self.evicted += 1
 
     def _remove(self, session_id: str) -> None:
+        if self.journal is not None:
+            self.journal.delete(session_id)
         self._bytes -= self._sessions.pop(session_id).size
         if self.on_remove is not None:
             self.on_remove(session_id)

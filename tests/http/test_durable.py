@@ -1,0 +1,188 @@
+"""Sessions and stored responses kept on disk (trioserve/state/durable.py):
+`trioserve serve` as a real process keeps every committed turn and stored
+response across SIGTERM and `kill -9`, and refuses a state file it cannot
+use with one line naming it, leaving the file as it was."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.http.test_drain import free_port, serve_command
+from trioserve.state.durable import FILE_NAME, SCHEMA_VERSION, StateDB, StateError
+from trioserve.state.session_store import SessionStore, Turn
+
+TIMEOUT = 120
+USER = [{"role": "user", "content": "Tell me a story"}]
+
+
+class Server:
+    """One `trioserve serve` process on the tiny model with --state-dir."""
+
+    def __init__(self, model: Path, state: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = serve_command(
+            "--model", str(model), "--served-model-name", "tiny", "--dtype", "float32", "--port", str(self.port),
+            "--kv-cache-bytes", "1MiB", "--state-dir", str(state), "--log-level", "warning",
+        )  # fmt: skip
+        self.proc: trio.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await trio.lowlevel.open_process(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
+            while True:
+                assert self.proc.returncode is None, f"the server exited with {self.proc.returncode}"
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await trio.sleep(0.05)
+
+    async def stop(self, how: signal.Signals) -> None:
+        self.proc.send_signal(how)
+        await self.proc.wait()
+
+
+async def turn(client: httpx.AsyncClient, session: str, text: str) -> str:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    response = await client.post(f"/v1/sessions/{session}/turns", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
+async def test_sessions_and_stored_responses_survive_a_restart(tiny_gguf, tmp_path, how):
+    state = tmp_path / "state"
+    server = Server(tiny_gguf, state)
+    with trio.fail_after(TIMEOUT):
+        await server.start()
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                made = await client.post("/v1/sessions", json={"system": "Be brief.", "seed": 5, "temperature": 0.7})
+                session = made.json()["id"]
+                for text in ("one", "two", "three"):
+                    await turn(client, session, text)
+                before = (await client.get(f"/v1/sessions/{session}")).json()
+                first = (await client.post("/v1/responses", json={"input": "hello", "max_output_tokens": 4})).json()
+                second = (await client.post("/v1/responses", json={"input": "again", "previous_response_id": first["id"], "max_output_tokens": 4})).json()
+        finally:
+            await server.stop(how)
+        assert (state / FILE_NAME).exists()
+
+        again = Server(tiny_gguf, state)
+        await again.start()
+        try:
+            async with httpx.AsyncClient(base_url=again.url, timeout=60) as client:
+                after = (await client.get(f"/v1/sessions/{session}")).json()
+                for key in ("messages", "system", "settings", "seed", "draw_index", "turns", "usage", "model"):
+                    assert after[key] == before[key], key
+                assert (await client.get(f"/v1/responses/{second['id']}")).json() == second
+                assert (await client.get(f"/v1/responses/{first['id']}")).json() == first
+                chained = await client.post("/v1/responses", json={"input": "more", "previous_response_id": second["id"], "max_output_tokens": 2})
+                assert chained.status_code == 200, chained.text
+                # The session goes on from where it was: its next turn is the
+                # one a stateless request with its whole history gets.
+                history = [{"role": "system", "content": "Be brief."}, *after["messages"], {"role": "user", "content": "four"}]
+                stateless = await client.post(
+                    "/v1/chat/completions", json={"messages": history, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+                )
+                assert await turn(client, session, "four") == stateless.json()["choices"][0]["message"]["content"]
+        finally:
+            await again.stop(signal.SIGTERM)
+
+
+def _bad_newer(path: Path) -> None:
+    StateDB(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()  # the last connection: its write-ahead log goes into the file
+
+
+def _bad_bytes(path: Path) -> None:
+    path.write_bytes(b"this is not a database\n" * 200)
+
+
+def _bad_truncated(path: Path) -> None:
+    db = StateDB(path)
+    store = SessionStore(journal=db)
+    for i in range(40):
+        session = store.create(0.0, system="x" * 500)
+        store.commit(store.begin(session.id, 0.0), Turn(({"role": "user", "content": "y" * 2000},), 1, 1, 1, 1), 0.0)
+    db.close()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    ("spoil", "fragment"),
+    [
+        (_bad_bytes, "not a trioserve state database, or damaged"),
+        (_bad_truncated, "damaged"),
+        (_bad_newer, f"written by a newer trioserve (schema {SCHEMA_VERSION + 1}; this one reads up to {SCHEMA_VERSION})"),
+    ],
+    ids=["not-a-database", "truncated", "newer-version"],
+)
+async def test_a_state_file_that_cannot_be_used_is_one_line_and_left_alone(tiny_gguf, tmp_path, spoil, fragment):
+    state = tmp_path / "state"
+    state.mkdir()
+    path = state / FILE_NAME
+    spoil(path)
+    for leftover in (state / f"{FILE_NAME}-wal", state / f"{FILE_NAME}-shm"):
+        leftover.unlink(missing_ok=True)
+    kept = path.read_bytes()
+    command = Server(tiny_gguf, state).command
+    with trio.fail_after(TIMEOUT):
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    lines = [line for line in done.stderr.decode().splitlines() if not line.startswith(("Loading", "Building"))]
+    assert done.returncode == 2, done.stderr.decode()
+    assert lines == [lines[0]] and lines[0].startswith(f"trioserve: error: {path}: "), lines
+    assert fragment in lines[0]
+    assert path.read_bytes() == kept
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="as root every file is writable: a read-only state file cannot be made here")
+def test_a_read_only_state_file_is_refused_by_name(tmp_path):
+    path = tmp_path / FILE_NAME
+    StateDB(path).close()
+    path.chmod(0o444)
+    with pytest.raises(StateError, match="cannot be written"):
+        StateDB(path)
+
+
+def test_every_change_is_in_the_file_when_the_call_returns(tmp_path):
+    """Made, committed, deleted and evicted sessions, read back by a second
+    connection (as a restarted process would) after each call."""
+    path = tmp_path / FILE_NAME
+    store = SessionStore(journal=StateDB(path), max_sessions=2)
+
+    def on_disk() -> dict[str, list]:
+        return {row["id"]: [m["content"] for m in row["messages"]] for row in StateDB(path).load()}
+
+    a = store.create(0.0, system="s")
+    assert on_disk() == {a.id: []}
+    lease = store.begin(a.id, 1.0)
+    pending = store.prepare_commit(lease, Turn(({"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}), 9, 3, 5, 2))
+    assert on_disk() == {a.id: []}  # laid out, not written
+    store.write(pending)
+    assert on_disk() == {a.id: ["q", "r"]}  # on disk before it shows in memory
+    assert a.messages == []
+    store.apply(pending, 2.0)
+    assert a.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]
+    row = StateDB(path).load()[0]
+    assert (row["seed"], row["draw_index"], row["turns"], row["prompt_tokens"], row["completion_tokens"]) == (9, 3, 1, 5, 2)
+    b = store.create(3.0)
+    c = store.create(4.0)  # over max_sessions: a, the least recently used, is evicted
+    assert set(on_disk()) == {b.id, c.id}
+    store.delete(b.id, 5.0)
+    assert set(on_disk()) == {c.id}
+    restored = SessionStore()
+    assert restored.restore(StateDB(path).load(), 0.0) == 1 and restored.get(c.id, 0.0).id == c.id

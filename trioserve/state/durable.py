@@ -1,0 +1,199 @@
+"""Sessions and stored responses on disk: one SQLite file (the standard
+library's sqlite3, WAL mode), so a committed turn survives a restart.
+
+What is kept: each session's settings, seed, draw position, usage and
+committed history, and each stored response's conversation and record.
+KV is not: a session back after a restart re-prefills its history on its
+next turn (through the prefix cache after that).
+
+A turn's commit is one transaction (its messages and the session's new
+position together), written with ``synchronous=FULL``, so once `commit`
+returns it is on disk; the caller (the session actor) runs it in a thread
+before the final response goes out. Creating, deleting and evicting
+sessions are written as they happen, with the same transactions.
+
+The schema carries a version (``PRAGMA user_version``): a file from a newer
+trioserve is refused, an older one migrated. A file that is not a database,
+is damaged, read-only or locked is a `StateError` naming it, raised when
+the store opens, and the file is left as it was. Pure Python: no trio."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from trioserve.errors import TrioserveError
+
+SCHEMA_VERSION = 1
+FILE_NAME = "state.sqlite3"
+BUSY_TIMEOUT_MS = 2000
+
+_SCHEMA = """
+CREATE TABLE sessions (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    system TEXT,
+    defaults TEXT NOT NULL,
+    seed INTEGER,
+    model TEXT,
+    draw_index INTEGER NOT NULL,
+    turns INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    record TEXT,
+    kind TEXT NOT NULL,
+    used REAL NOT NULL
+);
+CREATE TABLE messages (
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (session_id, position)
+);
+"""
+
+
+class StateError(TrioserveError):
+    """The state file cannot be used: one line naming it and why."""
+
+
+class StateDB:
+    """One SQLite state file, opened for this process. Its methods may be
+    called from any one thread at a time (a lock keeps them apart)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        existed = self.path.exists()
+        try:
+            if not existed:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            mode = "rw" if existed else "rwc"
+            self._db = sqlite3.connect(f"file:{self.path}?mode={mode}", uri=True, check_same_thread=False, isolation_level=None)
+            self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StateError(f"{self.path}: written by a newer trioserve (schema {version}; this one reads up to {SCHEMA_VERSION}); use that version or another --state-dir")
+            if self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
+                raise StateError(f"{self.path}: cannot use write-ahead logging here")
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._db.execute("PRAGMA synchronous = FULL")
+            problem = self._db.execute("PRAGMA quick_check").fetchone()[0]
+            if problem != "ok":
+                raise StateError(f"{self.path}: the database is damaged ({problem}); move it away to start with an empty state")
+            self._migrate(version)
+        except sqlite3.Error as exc:
+            raise StateError(f"{self.path}: {_reason(exc)}") from None
+
+    def _migrate(self, version: int) -> None:
+        """Bring the schema to SCHEMA_VERSION in one transaction (a new file
+        gets the whole schema; there is no older one yet)."""
+        if version == SCHEMA_VERSION:
+            self._db.execute("BEGIN IMMEDIATE")  # proves the file can be written (read-only, locked: an error now)
+            self._db.execute("COMMIT")
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            if version == 0:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- reading ----------------------------------------------------------------
+    def load(self) -> list[dict[str, Any]]:
+        """Every kept session and stored response, least recently used first:
+        their fields and their messages in order."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM sessions ORDER BY used, rowid").fetchall()
+            names = [d[0] for d in self._db.execute("SELECT * FROM sessions LIMIT 0").description]
+            messages: dict[str, list[dict]] = {}
+            for session_id, body in self._db.execute("SELECT session_id, body FROM messages ORDER BY session_id, position"):
+                messages.setdefault(session_id, []).append(json.loads(body))
+        out = []
+        for row in rows:
+            data = dict(zip(names, row, strict=True))
+            data["defaults"] = json.loads(data["defaults"])
+            data["record"] = json.loads(data["record"]) if data["record"] is not None else None
+            data["messages"] = messages.get(data["id"], [])
+            out.append(data)
+        return out
+
+    # -- writing ------------------------------------------------------------------
+    def _write(self, statements: Iterable[tuple[str, tuple]]) -> None:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, args in statements:
+                        self._db.execute(sql, args)
+                    self._db.execute("COMMIT")  # synchronous=FULL: on disk when this returns
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StateError(f"{self.path}: {_reason(exc)}") from None
+
+    def create(self, session, kind: str, used_wall: float) -> None:
+        """A new session (``kind`` "session") or stored response ("response"), with its messages."""
+        self._write([
+            (
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session.id, session.created, session.system, json.dumps(session.defaults), session.seed, session.model,
+                 session.draw_index, session.turns, session.prompt_tokens, session.completion_tokens,
+                 json.dumps(session.record) if session.record is not None else None, kind, used_wall),
+            ),
+            *_inserts(session.id, 0, session.messages),
+        ])  # fmt: skip
+
+    def commit(self, session_id: str, first: int, messages: list[dict], fields: dict[str, Any], used_wall: float) -> None:
+        """One committed turn: its messages (positions from ``first``) and
+        the session's new ``fields`` (seed, draw_index, turns, usage), in
+        one durable transaction."""
+        sets = ", ".join(f"{name} = ?" for name in fields)
+        self._write([
+            (f"UPDATE sessions SET {sets}, used = ? WHERE id = ?", (*fields.values(), used_wall, session_id)),
+            *_inserts(session_id, first, messages),
+        ])  # fmt: skip
+
+    def delete(self, session_id: str) -> None:
+        self._write([("DELETE FROM sessions WHERE id = ?", (session_id,))])
+
+
+def state_file(state_dir: str, environ) -> Path | None:
+    """The state file for --state-dir ``state_dir``: None for "none"
+    (memory only); "auto" is $XDG_DATA_HOME/trioserve, else
+    ~/.local/share/trioserve."""
+    if state_dir == "none":
+        return None
+    if state_dir == "auto":
+        base = environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        return Path(base) / "trioserve" / FILE_NAME
+    return Path(state_dir) / FILE_NAME
+
+
+def _inserts(session_id: str, first: int, messages: list[dict]) -> list[tuple[str, tuple]]:
+    return [("INSERT INTO messages VALUES (?, ?, ?)", (session_id, first + i, json.dumps(m, ensure_ascii=False))) for i, m in enumerate(messages)]
+
+
+def _reason(exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "not a database" in text or "malformed" in text:
+        return f"not a trioserve state database, or damaged ({text}); move it away to start with an empty state"
+    if "locked" in text or "busy" in text:
+        return f"locked by another process ({text}); one server per --state-dir, or give each its own"
+    if "readonly" in text or "read-only" in text:
+        return f"cannot be written ({text}); give the server a --state-dir it can write"
+    return text
