@@ -1,0 +1,47 @@
+"""What a durable session commit costs (issue #28): the same committed turn
+into a SessionStore with and without its SQLite journal (state/durable.py,
+WAL, synchronous=FULL), timed per commit. The server runs the durable write
+in a thread, off the event loop; this times the write itself.
+
+    .venv/bin/python bench/state_commit.py [--turns 300] [--dir DIR]
+
+DIR is where the state file goes (default: a new directory under /tmp):
+put it on the disk the server's --state-dir would use."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from trioserve.state.durable import FILE_NAME, StateDB
+from trioserve.state.session_store import SessionStore, Turn
+
+
+def commits(store: SessionStore, turns: int) -> list[float]:
+    session = store.create(0.0, system="Be brief.")
+    times = []
+    for i in range(turns):
+        turn = Turn(({"role": "user", "content": "hello there " * 10}, {"role": "assistant", "content": "a reply of some length " * 8}), 1, i, 40, 30)
+        lease = store.begin(session.id, 0.0)
+        start = time.perf_counter()
+        store.commit(lease, turn, 0.0)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=300)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    where = args.dir or Path(tempfile.mkdtemp(prefix="trioserve-state-"))
+    for label, store in (("durable", SessionStore(journal=StateDB(where / FILE_NAME))), ("memory", SessionStore())):
+        times = sorted(commits(store, args.turns))
+        print(f"{label:8} commit: p50 {statistics.median(times) * 1e3:.3f} ms, p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms ({args.turns} turns, {where})")
+
+
+if __name__ == "__main__":
+    main()
