@@ -23,10 +23,18 @@ test: $(STAMP) arm-tools
 	$(PY) -m pytest -q
 
 # The ARM kernels' tests (tests/kernels/test_neon.py) build them with Debian's
-# cross compiler and run them under qemu-user: installed here where apt-get
-# and root allow (~20 s), else those tests skip and say why.
+# cross compiler and run them under qemu-user, and the replica tests
+# (tests/http/test_replicas.py) run nginx: installed here where apt-get and
+# root allow (~20 s), else those tests skip and say why.
 ARM_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static
 arm-tools:
+	@if ! command -v nginx >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing nginx for the replica tests (tests/http/test_replicas.py)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1; } || \
+	    echo "make: could not install nginx; tests/http/test_replicas.py will skip"; \
+	fi
 	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64-static >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "make: installing $(ARM_PACKAGES) for the ARM kernel tests"; \

@@ -158,3 +158,32 @@ async def test_session_settings_no_turn_could_use_are_refused_at_create(server):
             assert after == before  # nothing was created on refusal
             fits = await client.post("/v1/sessions", json={"max_tokens": MAX_MODEL_LEN - 1})
             assert fits.status_code == 200, fits.text
+
+
+async def test_the_conversation_key_header(server):
+    """X-Session-Id on creation becomes the session's id (so a load balancer
+    can hash on it from the first request: docs/scaling.md); every session
+    answer and every response carries its key; a bad or taken key is
+    refused by name."""
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            made = await client.post("/v1/sessions", json={}, headers={"X-Session-Id": "user-7:chat.1"})
+            assert made.status_code == 200 and made.json()["id"] == "user-7:chat.1"
+            assert made.headers["X-Session-Id"] == "user-7:chat.1"
+            turn = await client.post("/v1/sessions/user-7:chat.1/turns", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert turn.status_code == 200 and turn.headers["X-Session-Id"] == "user-7:chat.1"
+            assert (await client.get("/v1/sessions/user-7:chat.1")).headers["X-Session-Id"] == "user-7:chat.1"
+            plain = await client.post("/v1/sessions", json={})
+            assert plain.headers["X-Session-Id"] == plain.json()["id"]
+            taken = await client.post("/v1/sessions", json={}, headers={"X-Session-Id": "user-7:chat.1"})
+            assert_error(taken, 409, fragment="a session 'user-7:chat.1' exists already", param="X-Session-Id", code="session_exists")
+            for bad in ("two words", "x" * 129, "semi;colon"):
+                refused = await client.post("/v1/sessions", json={}, headers={"X-Session-Id": bad})
+                assert_error(refused, 400, fragment="X-Session-Id: 1 to 128 letters, digits and ._:- expected", param="X-Session-Id")
+            first = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+            assert first.headers["X-Session-Id"] == first.json()["id"]
+            keyed = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}, headers={"X-Session-Id": "chain-9"})
+            assert keyed.headers["X-Session-Id"] == "chain-9"
+            preflight = await client.options("/v1/sessions", headers={"Origin": "http://example.org", "Access-Control-Request-Method": "POST"})
+            assert "X-Session-Id" in preflight.headers["Access-Control-Allow-Headers"]
+            assert preflight.headers["Access-Control-Expose-Headers"] == "X-Session-Id"

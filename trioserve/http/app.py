@@ -140,7 +140,8 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     @app.after_request
     async def cors(response: Response) -> Response:
         response.headers["Access-Control-Allow-Origin"] = "*"
-        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Session-Id"
+        response.headers["Access-Control-Expose-Headers"] = "X-Session-Id"
         response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         if state.phase == "draining":
             # Send clients elsewhere rather than back on this connection: a

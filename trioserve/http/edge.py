@@ -12,6 +12,7 @@ reports it back."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import trio
@@ -84,6 +85,29 @@ async def read_body(state: ServerState) -> object:
         return body
 
     return decode() if len(raw) <= BIG_BODY else await off_loop(decode)
+
+
+AFFINITY_HEADER = "X-Session-Id"  # what a load balancer hashes to keep a conversation on one replica (docs/scaling.md)
+_AFFINITY_KEY = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def affinity_key() -> str | None:
+    """The request's X-Session-Id (a conversation's key, chosen by the
+    client), or None; a 400 naming the header when it is not 1-128 of
+    letters, digits and ._:- (it may become a session's id)."""
+    key = request.headers.get(AFFINITY_HEADER)
+    if key is None:
+        return None
+    if not _AFFINITY_KEY.fullmatch(key):
+        raise HTTPError(400, f"{AFFINITY_HEADER}: 1 to 128 letters, digits and ._:- expected, got {key[:40]!r}", param=AFFINITY_HEADER)
+    return key
+
+
+def with_affinity(response, key: str):
+    """``response`` telling the client (and a load balancer) the key its
+    conversation goes on with."""
+    response.headers[AFFINITY_HEADER] = key
+    return response
 
 
 def check_n(engine, n: int, prompts: int = 1) -> None:

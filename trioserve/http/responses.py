@@ -35,7 +35,7 @@ from trioserve.actors.session import durably
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
-from trioserve.http.edge import ServerState, default_max_tokens, output_parsing, read_body, sampling_params
+from trioserve.http.edge import ServerState, affinity_key, default_max_tokens, output_parsing, read_body, sampling_params, with_affinity
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.responses_request import ResponsesRequest, input_messages, parse_responses_request, responses_field
@@ -325,14 +325,16 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
                 prompts=[Prompt("", prompt_ids, params)], guides=guides, stream=chat.stream,
                 adapter=model.adapter_key, **output_parsing(model, chat.tools, chat.tool_choice),
             )  # fmt: skip
+            key = affinity_key() or job.id  # the chain's key: the client's, else this response's id
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
-        return await Connection(job, engine, lambda conn: ResponseRender(conn, req, store, history)).respond()
+        answer = await Connection(job, engine, lambda conn: ResponseRender(conn, req, store, history)).respond()
+        return with_affinity(answer, key)
 
     @app.route("/v1/responses/<response_id>", methods=["GET"])
     async def read_response(response_id: str) -> Response:
         try:
-            return json_response(stored(response_id, None).record)
+            return with_affinity(json_response(stored(response_id, None).record), response_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 

@@ -34,7 +34,9 @@ from trioserve.errors import EngineClosed, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
 from trioserve.http.constraints import CONSTRAINT_FIELDS
-from trioserve.http.edge import ServerState, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params
+from trioserve.http.edge import (
+    AFFINITY_HEADER, ServerState, affinity_key, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params, with_affinity,
+)  # fmt: skip
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.in_flight import at_request_end
 from trioserve.http.job import GenerationJob, Prompt
@@ -105,15 +107,19 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 raise HTTPError(400, "system: expected a string", param="system")
             seed = _session_seed(body)
             defaults = _check_settings(body, engine)
+            chosen = affinity_key()  # a client's own key becomes the session's id, so a load balancer can route its creation too
+            try:
+                session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen)
+            except ValueError:
+                raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name)
-        return json_response(_describe(session), 200)
+        return with_affinity(json_response(_describe(session), 200), session.id)
 
     @app.route("/v1/sessions/<session_id>", methods=["GET"])
     async def read_session(session_id: str) -> Response:
         try:
-            return json_response(_describe(store.get(session_id, trio.current_time())))
+            return with_affinity(json_response(_describe(store.get(session_id, trio.current_time()))), session_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
@@ -194,10 +200,10 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             line.hang_up()  # cancelled: the client left while the turn was starting
             raise
         if isinstance(first, Opened):
-            return sse_response(_relay(line))
+            return with_affinity(sse_response(_relay(line)), session_id)
         line.hang_up()
         if isinstance(first, Answer):
-            return first.response
+            return with_affinity(first.response, session_id)
         if isinstance(first, Failed):
             return error_response(first.error)
         raise AssertionError(f"a session actor answered {first!r} first")
