@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.http.test_drain import free_port, serve_command
 from trioserve.state.durable import FILE_NAME, SCHEMA_VERSION, StateDB, StateError
@@ -186,3 +188,63 @@ def test_every_change_is_in_the_file_when_the_call_returns(tmp_path):
     assert set(on_disk()) == {c.id}
     restored = SessionStore()
     assert restored.restore(StateDB(path).load(), 0.0) == 1 and restored.get(c.id, 0.0).id == c.id
+
+
+async def kill_during_turn(server: Server, session: str, kill_after: int) -> bool:
+    """Stream one turn and `kill -9` the server once ``kill_after`` SSE
+    events have arrived (or when the stream ends first), reading on until
+    the connection drops; True when the client saw the turn's final event
+    (its finish_reason) before the kill."""
+    body = {"messages": [{"role": "user", "content": f"turn after {kill_after}"}], "max_tokens": 8, "ignore_eos": True, "stream": True}
+    seen_final = False
+    events = 0
+    killed = False
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async with client.stream("POST", f"/v1/sessions/{session}/turns", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if killed or not line.startswith("data: "):
+                        continue
+                    if '"finish_reason": "length"' in line:
+                        seen_final = True
+                    events += 1
+                    if events >= kill_after:
+                        server.proc.send_signal(signal.SIGKILL)
+                        killed = True
+    except httpx.TransportError:
+        pass  # the connection died with the server
+    finally:
+        await server.stop(signal.SIGKILL)
+    return seen_final
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kill_points=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=2))
+async def test_a_kill_at_any_point_of_a_turn_keeps_whole_turns_in_order(tiny_gguf, tmp_path_factory, kill_points):
+    """The server is killed after 1-12 events of a streamed turn (its role
+    chunk, tokens, the final chunk, usage, [DONE]: before its commit, around
+    it, after it). Each restart holds every turn the client saw end, plus at
+    most the one it was killed in: never half a turn, never out of order."""
+    state = tmp_path_factory.mktemp("crash")
+    server = Server(tiny_gguf, state)
+    with trio.fail_after(TIMEOUT):
+        await server.start()
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            session = (await client.post("/v1/sessions", json={"seed": 3})).json()["id"]
+            await turn(client, session, "first")
+        users = ["first"]  # the user messages of the turns kept so far, in order
+        for kill_after in kill_points:
+            saw_it = await kill_during_turn(server, session, kill_after)
+            server = Server(tiny_gguf, state)
+            await server.start()
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                kept = (await client.get(f"/v1/sessions/{session}")).json()
+            grew = kept["turns"] - len(users)
+            assert grew in ((1,) if saw_it else (0, 1)), (kill_after, saw_it, kept["turns"], len(users))
+            if grew:
+                users.append(f"turn after {kill_after}")
+            messages = kept["messages"]
+            assert [m["role"] for m in messages] == ["user", "assistant"] * kept["turns"]  # whole turns only
+            assert [m["content"] for m in messages[::2]] == users  # in order
+        await server.stop(signal.SIGTERM)
