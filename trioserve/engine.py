@@ -359,6 +359,9 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
             finally:
                 inbox_send.close()
                 nursery.cancel_scope.cancel()
+                # An Engine a caller still holds must not keep the model (its
+                # weights) alive once the engine is gone.
+                engine.adapters = None
     finally:
         if writer is not None:
             writer.close()  # however the engine ends; every line is flushed already
