@@ -248,3 +248,36 @@ async def test_a_kill_at_any_point_of_a_turn_keeps_whole_turns_in_order(tiny_ggu
             assert [m["role"] for m in messages] == ["user", "assistant"] * kept["turns"]  # whole turns only
             assert [m["content"] for m in messages[::2]] == users  # in order
         await server.stop(signal.SIGTERM)
+
+
+
+async def test_a_state_file_that_fails_a_commit_leaves_the_turn_uncommitted(tiny_gguf, tmp_path):
+    """The state file stops taking writes mid-run (its connection closed
+    under the store): the turn answers 503 saying so and the session is as
+    it was; a new session is refused the same way. Nothing is half kept."""
+    import json
+
+    import attrs
+
+    from tests.http.conftest import make_settings
+    from tests.http.test_session_commit_points import call
+    from trioserve.http.app import create_app
+
+    app = create_app(attrs.evolve(make_settings(tiny_gguf), state_dir=str(tmp_path / "state")))
+    turn_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with trio.fail_after(TIMEOUT):
+        async with app.test_app():
+            status, chunks = await call(app, "POST", "/v1/sessions", {})
+            sid = json.loads(b"".join(chunks))["id"]
+            assert (await call(app, "POST", f"/v1/sessions/{sid}/turns", turn_body))[0] == 200
+            store = app.extensions["trioserve"].sessions
+            store.journal._db.close()  # every later write fails
+            status, chunks = await call(app, "POST", f"/v1/sessions/{sid}/turns", turn_body)
+            error = json.loads(b"".join(chunks))["error"]
+            assert status == 503 and error["code"] == "state_unavailable", (status, error)
+            assert error["message"].startswith("the state store could not keep this, so nothing changed: ")
+            session = store.get(sid, trio.current_time())
+            assert session.turns == 1 and len(session.messages) == 2 and not session.busy
+            status, chunks = await call(app, "POST", "/v1/sessions", {})
+            assert status == 503 and json.loads(b"".join(chunks))["error"]["code"] == "state_unavailable"
+            assert len(store) == 1
