@@ -25,6 +25,19 @@ TIMEOUT = 120
 USER = [{"role": "user", "content": "Tell me a story"}]
 
 
+async def healthy(url: str, proc: trio.Process) -> None:
+    """Poll ``url``/health until 200, failing at once if ``proc`` exits."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while True:
+            assert proc.returncode is None, f"{proc.args[0]} exited with {proc.returncode}"
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await trio.sleep(0.05)
+
+
 class Server:
     """One `trioserve serve` process on the tiny model with --state-dir."""
 
@@ -39,15 +52,7 @@ class Server:
 
     async def start(self) -> None:
         self.proc = await trio.lowlevel.open_process(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
-            while True:
-                assert self.proc.returncode is None, f"the server exited with {self.proc.returncode}"
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await trio.sleep(0.05)
+        await healthy(self.url, self.proc)
 
     async def stop(self, how: signal.Signals) -> None:
         self.proc.send_signal(how)

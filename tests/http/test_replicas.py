@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from tests.http.test_drain import free_port
-from tests.http.test_durable import Server
+from tests.http.test_durable import Server, healthy
 
 TIMEOUT = 180
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
@@ -39,18 +39,6 @@ def nginx_conf(port: int, replicas: list[int], prefix: Path) -> str:
     )
 
 
-async def wait_port(url: str, proc) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
-        while True:
-            assert proc.returncode is None, f"exited with {proc.returncode}"
-            try:
-                if (await client.get("/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await trio.sleep(0.05)
-
-
 async def test_conversations_stick_and_stateless_requests_spread(tiny_gguf, tmp_path):
     replicas = [Server(tiny_gguf, tmp_path / f"state{i}") for i in range(2)]
     port = free_port()
@@ -63,7 +51,7 @@ async def test_conversations_stick_and_stateless_requests_spread(tiny_gguf, tmp_
             for replica in replicas:
                 await replica.start()
             nginx = await trio.lowlevel.open_process([NGINX, "-p", str(tmp_path), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            await wait_port(url, nginx)
+            await healthy(url, nginx)
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 owners = set()
                 for key in ("conv-alpha", "conv-beta", "conv-gamma", "conv-delta"):

@@ -83,18 +83,25 @@ def _one_text(name: str):
     return parse
 
 
+def _bounded_list(value: object, expected: str, what: str) -> list:
+    """``value`` as a non-empty list of at most MAX_DOCUMENTS ``what``;
+    else Invalid saying what was ``expected``."""
+    if not isinstance(value, list):
+        raise Invalid(f"expected {expected}, got {got(value)}")
+    if not value:
+        raise Invalid("must not be empty")
+    if len(value) > MAX_DOCUMENTS:
+        raise Invalid(f"at most {MAX_DOCUMENTS} {what} are allowed in one request, got {len(value)}")
+    return value
+
+
 def _text_or_texts(name: str):
     """A string (one text) or a non-empty list of at most MAX_DOCUMENTS strings."""
 
     def parse(value: object, _: cattrs.Converter) -> Inputs:
         if isinstance(value, str):
             return Inputs((_text(value),), single=True, name=name)
-        if not isinstance(value, list):
-            raise Invalid(f"expected a string or a list of strings, got {got(value)}")
-        if not value:
-            raise Invalid("must not be empty")
-        if len(value) > MAX_DOCUMENTS:
-            raise Invalid(f"at most {MAX_DOCUMENTS} texts are allowed in one request, got {len(value)}")
+        value = _bounded_list(value, "a string or a list of strings", "texts")
         return Inputs(tuple(_text(item, f"[{i}]") for i, item in enumerate(value)), single=False, name=name)
 
     return parse
@@ -103,12 +110,7 @@ def _text_or_texts(name: str):
 def _documents(value: object, _: cattrs.Converter) -> Inputs:
     """A non-empty list of at most MAX_DOCUMENTS documents, each a string or
     an object whose `text` is one (its other keys are ignored)."""
-    if not isinstance(value, list):
-        raise Invalid(f"expected a list of strings or of objects with text, got {got(value)}")
-    if not value:
-        raise Invalid("must not be empty")
-    if len(value) > MAX_DOCUMENTS:
-        raise Invalid(f"at most {MAX_DOCUMENTS} documents are allowed in one request, got {len(value)}")
+    value = _bounded_list(value, "a list of strings or of objects with text", "documents")
     texts = []
     for i, item in enumerate(value):
         if isinstance(item, str):
