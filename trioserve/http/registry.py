@@ -40,7 +40,6 @@ from trioserve.models.lora import load_lora_adapter
 from trioserve.models.output_parser import THINK_OPEN
 from trioserve.progress import ProgressBar
 
-STATES = ("loading", "ready", "unloading")
 LOAD_RETRY_AFTER_S = 5  # what a 503 for a model still loading tells the client to wait
 STOP_GRACE_S = 10.0  # after an unload's error events, how long its requests get to send them
 
@@ -383,10 +382,9 @@ def release_memory() -> None:
 
 
 @asynccontextmanager
-async def open_registry(settings: ServerSettings, *, checkpoint: Checkpoint | None = None) -> AsyncIterator[Registry]:
+async def open_registry(settings: ServerSettings) -> AsyncIterator[Registry]:
     """A registry whose models' engines run in its nursery; leaving the block
-    stops them all. The models of ``settings`` are reserved at once and
-    loaded one after another (``checkpoint``: the first one's, preloaded)."""
+    stops them all (`load_startup_models` loads the settings' models)."""
     async with trio.open_nursery() as nursery:
         registry = Registry(settings, nursery)
         try:

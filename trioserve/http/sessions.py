@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import trio
 from quart import Response
 
-from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, TurnLine, TurnOutput
+from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, TurnLine, TurnOutput, durably
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
@@ -109,9 +109,11 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             defaults = _check_settings(body, engine)
             chosen = affinity_key()  # a client's own key becomes the session's id, so a load balancer can route its creation too
             try:
-                session = store.create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen)
+                session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen)
             except ValueError:
                 raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
+            await durably(store.write_create, session, store.journal is not None)  # on disk (off the event loop) before it is answered
+            store.insert(session, trio.current_time())
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return with_affinity(json_response(_describe(session), 200), session.id)

@@ -60,9 +60,6 @@ class LoraSet:
         self.capacity = capacity
         self._layers: dict[str, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._layers
-
     def __len__(self) -> int:
         return len(self._layers)
 
