@@ -19,6 +19,7 @@ from trioserve.options import (
     PORT,
     POSITIVE_INT,
     SECONDS,
+    STATE_URL,
     SWITCH,
     TEXT,
     Option,
@@ -36,6 +37,7 @@ SAMPLES = {
     MILLISECONDS: ("250", 250.0),
     BYTES: ("3MiB", 3 << 20),
     BYTES_OR_AUTO: ("16KiB", 16 << 10),
+    STATE_URL: ("postgresql://u@db:5432/state", "postgresql://u@db:5432/state"),
 }
 
 

@@ -226,13 +226,13 @@ async def _run_generation(config: EngineConfig, checkpoint, request, params, loa
 def _serve(args: argparse.Namespace) -> int:
     from trioserve.http.serve import run_server
 
-    from trioserve.state.durable import StateDB, state_file
+    from trioserve.state.durable import open_store
 
     _set_threads(args.threads)
     settings = serve_settings(args, dict(os.environ))
-    path = state_file(settings.state_dir, os.environ)
-    if path is not None:
-        StateDB(path).close()  # a state file that cannot be used stops here, as one line (StateError)
+    store = open_store(settings.state_dir, settings.state_url, os.environ)  # a store that cannot be used stops here, as one line (StateError)
+    if store is not None:
+        store.close()
     return run_server(settings)
 
 

@@ -192,6 +192,7 @@ class ServerSettings:
     send_buffer_bytes: int | None = _setting("send_buffer_bytes", _positive)
     default_max_tokens: int = _setting("default_max_tokens", _positive)
     state_dir: str = _setting("state_dir")
+    state_url: str | None = _setting("state_url")
     max_sessions: int = _setting("max_sessions", _positive)
     session_idle_s: float | None = _setting("session_idle_s", _positive)
     session_history_bytes: int | None = _setting("session_history_bytes", _positive)

@@ -149,6 +149,17 @@ BYTES_OR_AUTO = Kind(_usage(parse_size_or_auto, " (or auto)"), parse_size_or_aut
 SWITCH = Kind(None, parse_flag)
 
 
+def state_url(text: str) -> str:
+    """A PostgreSQL URL (the only shared state store there is)."""
+    if not text.startswith(("postgresql://", "postgres://")):
+        got = f"{text.split('://')[0]}://" if "://" in text else "no scheme"  # never the rest: it may hold a password
+        raise ValueError(f"a state URL starts with postgresql:// (got {got})")
+    return text
+
+
+STATE_URL = Kind(_usage(state_url), state_url)
+
+
 @attrs.frozen
 class Option:
     """One option. ``field`` is the settings field it fills ("engine."
@@ -296,6 +307,11 @@ OPTIONS: tuple[Option, ...] = (
        "where sessions and stored responses are kept across restarts (an SQLite file, `state.sqlite3`, in DIR): `auto` "
        "is the user's data directory (`$XDG_DATA_HOME/trioserve`, else `~/.local/share/trioserve`), `none` keeps them "
        "in memory only, as before (docs/sessions.md, \"Durability\")", "TRIOSERVE_STATE_DIR", metavar="DIR"),
+    _o("--state-url", "state_url", STATE_URL, None,
+       "keep sessions and stored responses in PostgreSQL instead of the `--state-dir` file "
+       "(`postgresql://user:password@host:port/database`), shared by every replica given the same URL, so another "
+       "replica continues a conversation whose replica is gone (docs/scaling.md)", "TRIOSERVE_STATE_URL", metavar="URL",
+       shown_default="none (the --state-dir file)"),
     _o("--max-sessions", "max_sessions", POSITIVE_INT, 1024,
        "sessions kept at once; beyond it idle ones go, least recently used first", "TRIOSERVE_MAX_SESSIONS"),
     _o("--session-idle", "session_idle_s", SECONDS, 3600.0, "seconds an idle session is kept", "TRIOSERVE_SESSION_IDLE"),

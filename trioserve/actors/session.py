@@ -274,6 +274,17 @@ async def durably(write: Callable[[Any], None], item: Any, threaded: bool) -> No
         await trio.to_thread.run_sync(write, item)
 
 
+async def synced(store: SessionStore, session_id: str) -> None:
+    """With a store shared by replicas (PostgreSQL), bring ``session_id``
+    up to date from it before it is used here: made, continued or deleted
+    by another replica since this one last looked. Nothing otherwise. The
+    read runs in a thread; StateError when the store cannot be read."""
+    if not store.shared:
+        return
+    row = await trio.to_thread.run_sync(store.journal.fetch, session_id)
+    store.refresh(session_id, row, trio.current_time())
+
+
 class SessionActors:
     """Starts one SessionActor per turn, in a nursery the app owns."""
 

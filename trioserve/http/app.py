@@ -38,7 +38,7 @@ from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.status import add_status_routes
 from trioserve.models.checkpoint import Checkpoint
-from trioserve.state.durable import StateDB, state_file
+from trioserve.state.durable import Rows, open_store
 
 # A session actor waits this long past the write timeout for its handler to
 # ask for the next chunk (a write takes at most the write timeout; past it
@@ -53,19 +53,20 @@ async def _serve_models(state: ServerState, *, task_status=trio.TASK_STATUS_IGNO
         raise sole_error(group) from None
 
 
-async def _open_state(state: ServerState) -> StateDB | None:
-    """The durable state store (--state-dir), opened and read back into the
-    sessions and stored responses; None when state is kept in memory only."""
-    path = state_file(state.settings.state_dir, os.environ)
-    if path is None:
+async def _open_state(state: ServerState) -> Rows | None:
+    """The durable state store (--state-dir or --state-url), opened and read
+    back into the sessions and stored responses; None when state is kept
+    in memory only."""
+    settings = state.settings
+    db = await trio.to_thread.run_sync(open_store, settings.state_dir, settings.state_url, os.environ)
+    if db is None:
         return None
-    db = await trio.to_thread.run_sync(StateDB, path)
     rows = await trio.to_thread.run_sync(db.load)
     now = trio.current_time()
     for store in (state.sessions, state.responses):
         store.journal = db
         store.restore(rows, now)
-    print(f"trioserve: state in {path} ({len(state.sessions)} sessions, {len(state.responses)} stored responses)", file=sys.stderr, flush=True)
+    print(f"trioserve: state in {db.name} ({len(state.sessions)} sessions, {len(state.responses)} stored responses)", file=sys.stderr, flush=True)
     return db
 
 

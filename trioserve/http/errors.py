@@ -8,7 +8,7 @@ import math
 
 from quart import Response
 
-from trioserve.state.durable import StateError
+from trioserve.state.durable import StateConflict, StateError
 from trioserve.state.session_store import SessionBusy, SessionNotFound
 
 from trioserve.errors import ChatTemplateError, EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
@@ -53,6 +53,8 @@ def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
         return 503, error_body(str(exc), "server_error", None, "engine_dead"), {}
     if isinstance(exc, EngineClosed):
         return 503, error_body(str(exc), "server_error", None, "shutting_down"), {}
+    if isinstance(exc, StateConflict):  # another replica moved the session on meanwhile: nothing was committed here
+        return 409, error_body(str(exc), "invalid_request_error", None, "state_conflict"), {}
     if isinstance(exc, StateError):  # the state file refused a write: nothing was committed
         return 503, error_body(f"the state store could not keep this, so nothing changed: {exc}", "server_error", None, "state_unavailable"), {}
     return 500, error_body(f"internal error: {type(exc).__name__}", "server_error"), {}

@@ -31,7 +31,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from trioserve.actors.session import durably
+from trioserve.actors.session import durably, synced
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
@@ -290,10 +290,11 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
     settings = state.settings
     store = SessionStore(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes)
 
-    def stored(response_id: str, param: str | None = "previous_response_id"):
+    async def stored(response_id: str, param: str | None = "previous_response_id"):
         """The stored response, used now; else a 404 naming ``param`` (none
         when the id came in the path)."""
         try:
+            await synced(store, response_id)  # stored by another replica, or deleted there
             return store.get(response_id, trio.current_time(), use=True)
         except SessionNotFound:
             raise HTTPError(
@@ -307,7 +308,7 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
             req = await off_loop(parse_responses_request, await read_body(state))
             model = state.route(req.chat.model)
             engine = model.engine
-            earlier = stored(req.previous_response_id).messages if req.previous_response_id is not None else []
+            earlier = (await stored(req.previous_response_id)).messages if req.previous_response_id is not None else []
             history = [*earlier, *req.messages]
             head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
             chat = req.chat
@@ -334,14 +335,14 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/responses/<response_id>", methods=["GET"])
     async def read_response(response_id: str) -> Response:
         try:
-            return with_affinity(json_response(stored(response_id, None).record), response_id)
+            return with_affinity(json_response((await stored(response_id, None)).record), response_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
     @app.route("/v1/responses/<response_id>", methods=["DELETE"])
     async def delete_response(response_id: str) -> Response:
         try:
-            store.delete(stored(response_id, None).id, trio.current_time())
+            store.delete((await stored(response_id, None)).id, trio.current_time())
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

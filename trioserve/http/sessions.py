@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import trio
 from quart import Response
 
-from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, TurnLine, TurnOutput, durably
+from trioserve.actors.session import Answer, Chunk, Failed, Opened, Pull, RunTurn, TurnLine, TurnOutput, durably, synced
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
@@ -42,6 +42,7 @@ from trioserve.http.in_flight import at_request_end
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.schemas import parse_chat_request
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
+from trioserve.state.durable import StateConflict
 from trioserve.state.session_store import Session, SessionStore, Turn
 
 # Chat fields a session keeps as defaults for its turns.
@@ -112,8 +113,11 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen)
             except ValueError:
                 raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
-            await durably(store.write_create, session, store.journal is not None)  # on disk (off the event loop) before it is answered
-            store.insert(session, trio.current_time())
+            try:
+                await durably(store.write_create, session, store.journal is not None)  # on disk (off the event loop) before it is answered
+                store.insert(session, trio.current_time())
+            except (StateConflict, ValueError):  # made meanwhile, by another request or another replica
+                raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return with_affinity(json_response(_describe(session), 200), session.id)
@@ -121,6 +125,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/sessions/<session_id>", methods=["GET"])
     async def read_session(session_id: str) -> Response:
         try:
+            await synced(store, session_id)
             return with_affinity(json_response(_describe(store.get(session_id, trio.current_time()))), session_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
@@ -128,6 +133,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/sessions/<session_id>", methods=["DELETE"])
     async def delete_session(session_id: str) -> Response:
         try:
+            await synced(store, session_id)
             store.delete(session_id, trio.current_time())
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
@@ -143,6 +149,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             for message in messages if isinstance(messages, list) else ():  # other shapes: parse_chat_request says why
                 if isinstance(message, dict) and message.get("role") not in ("user", "tool"):
                     raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
+            await synced(store, session_id)  # another replica may have made or continued it
             found = store.get(session_id, trio.current_time())
             model = state.route(found.model)  # the session's model runs its turns
             engine = model.engine

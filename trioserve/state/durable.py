@@ -58,15 +58,106 @@ CREATE TABLE messages (
 
 
 class StateError(TrioserveError):
-    """The state file cannot be used: one line naming it and why."""
+    """The state store cannot be used: one line naming it and why."""
 
 
-class StateDB:
+class StateConflict(StateError):
+    """The write met a newer state: a session id taken already, or a turn
+    committed (or the session deleted) by another replica meanwhile.
+    Nothing was written."""
+
+
+class Rows:
+    """What every state store does, on tables `sessions` and `messages`
+    (SQL with ``?`` placeholders): a backend gives `_write` (one
+    transaction) and `_read`. ``shared``: other processes write the same
+    rows (a replica's memory is then a cache of them)."""
+
+    shared = False
+    name = ""  # how errors name the store
+
+    def _write(self, statements: Iterable[tuple[str, tuple, str | None]]) -> None:
+        """Run ``statements`` in one durable transaction. A statement with a
+        conflict message must change exactly one row, else the transaction
+        is rolled back and StateConflict raised with that message."""
+        raise NotImplementedError
+
+    def _read(self, sql: str, args: tuple = ()) -> tuple[list[str], list[tuple]]:
+        """Column names and rows."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # -- reading ----------------------------------------------------------------
+    def load(self) -> list[dict[str, Any]]:
+        """Every kept session and stored response, least recently used first:
+        their fields and their messages in order."""
+        return self._rows("SELECT * FROM sessions ORDER BY used, id", (), "SELECT session_id, body FROM messages ORDER BY session_id, position", ())
+
+    def fetch(self, session_id: str) -> dict[str, Any] | None:
+        """One session or stored response as `load` gives it; None when there is none."""
+        found = self._rows(
+            "SELECT * FROM sessions WHERE id = ?", (session_id,),
+            "SELECT session_id, body FROM messages WHERE session_id = ? ORDER BY position", (session_id,),
+        )  # fmt: skip
+        return found[0] if found else None
+
+    def _rows(self, query: str, args: tuple, message_query: str, message_args: tuple) -> list[dict[str, Any]]:
+        names, rows = self._read(query, args)
+        if not rows:
+            return []
+        messages: dict[str, list[dict]] = {}
+        for session_id, body in self._read(message_query, message_args)[1]:
+            messages.setdefault(session_id, []).append(json.loads(body))
+        out = []
+        for row in rows:
+            data = dict(zip(names, row, strict=True))
+            data["defaults"] = json.loads(data["defaults"])
+            data["record"] = json.loads(data["record"]) if data["record"] is not None else None
+            data["messages"] = messages.get(data["id"], [])
+            out.append(data)
+        return out
+
+    # -- writing ------------------------------------------------------------------
+    def create(self, session, kind: str, used_wall: float) -> None:
+        """A new session (``kind`` "session") or stored response ("response"),
+        with its messages; StateConflict when its id is taken."""
+        self._write([
+            (
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session.id, session.created, session.system, json.dumps(session.defaults), session.seed, session.model,
+                 session.draw_index, session.turns, session.prompt_tokens, session.completion_tokens,
+                 json.dumps(session.record) if session.record is not None else None, kind, used_wall),
+                None,
+            ),
+            *_inserts(session.id, 0, session.messages),
+        ])  # fmt: skip
+
+    def commit(self, session_id: str, first: int, messages: list[dict], fields: dict[str, Any], used_wall: float) -> None:
+        """One committed turn: its messages (positions from ``first``) and
+        the session's new ``fields`` (seed, draw_index, turns, usage), in
+        one durable transaction. It applies only to the state the turn
+        began from (``turns`` one less than the new count): StateConflict
+        when the session moved on or went meanwhile (another replica)."""
+        sets = ", ".join(f"{name} = ?" for name in fields)
+        conflict = f"session {session_id!r} was continued or deleted elsewhere while this turn ran; nothing was committed, send the turn again"
+        self._write([
+            (f"UPDATE sessions SET {sets}, used = ? WHERE id = ? AND turns = ?", (*fields.values(), used_wall, session_id, fields["turns"] - 1), conflict),
+            *_inserts(session_id, first, messages),
+        ])  # fmt: skip
+
+    def delete(self, session_id: str) -> None:
+        self._write([("DELETE FROM messages WHERE session_id = ?", (session_id,), None), ("DELETE FROM sessions WHERE id = ?", (session_id,), None)])
+
+
+class StateDB(Rows):
     """One SQLite state file, opened for this process. Its methods may be
     called from any one thread at a time (a lock keeps them apart)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.name = str(self.path)
         self._lock = threading.Lock()
         existed = self.path.exists()
         try:
@@ -77,7 +168,7 @@ class StateDB:
             self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise StateError(f"{self.path}: written by a newer trioserve (schema {version}; this one reads up to {SCHEMA_VERSION}); use that version or another --state-dir")
+                raise StateError(newer_schema(self.name, version))
             if self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise StateError(f"{self.path}: cannot use write-ahead logging here")
             self._db.execute("PRAGMA foreign_keys = ON")
@@ -112,64 +203,43 @@ class StateDB:
         with self._lock:
             self._db.close()
 
-    # -- reading ----------------------------------------------------------------
-    def load(self) -> list[dict[str, Any]]:
-        """Every kept session and stored response, least recently used first:
-        their fields and their messages in order."""
+    def _read(self, sql: str, args: tuple = ()) -> tuple[list[str], list[tuple]]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM sessions ORDER BY used, rowid").fetchall()
-            names = [d[0] for d in self._db.execute("SELECT * FROM sessions LIMIT 0").description]
-            messages: dict[str, list[dict]] = {}
-            for session_id, body in self._db.execute("SELECT session_id, body FROM messages ORDER BY session_id, position"):
-                messages.setdefault(session_id, []).append(json.loads(body))
-        out = []
-        for row in rows:
-            data = dict(zip(names, row, strict=True))
-            data["defaults"] = json.loads(data["defaults"])
-            data["record"] = json.loads(data["record"]) if data["record"] is not None else None
-            data["messages"] = messages.get(data["id"], [])
-            out.append(data)
-        return out
+            cursor = self._db.execute(sql, args)
+            return [d[0] for d in cursor.description], cursor.fetchall()
 
-    # -- writing ------------------------------------------------------------------
-    def _write(self, statements: Iterable[tuple[str, tuple]]) -> None:
+    def _write(self, statements: Iterable[tuple[str, tuple, str | None]]) -> None:
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
-                    for sql, args in statements:
-                        self._db.execute(sql, args)
+                    for sql, args, conflict in statements:
+                        if self._db.execute(sql, args).rowcount != 1 and conflict is not None:
+                            raise StateConflict(conflict)
                     self._db.execute("COMMIT")  # synchronous=FULL: on disk when this returns
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
+            except sqlite3.IntegrityError as exc:
+                raise StateConflict(f"{self.path}: {exc}") from None
             except sqlite3.Error as exc:
                 raise StateError(f"{self.path}: {_reason(exc)}") from None
 
-    def create(self, session, kind: str, used_wall: float) -> None:
-        """A new session (``kind`` "session") or stored response ("response"), with its messages."""
-        self._write([
-            (
-                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (session.id, session.created, session.system, json.dumps(session.defaults), session.seed, session.model,
-                 session.draw_index, session.turns, session.prompt_tokens, session.completion_tokens,
-                 json.dumps(session.record) if session.record is not None else None, kind, used_wall),
-            ),
-            *_inserts(session.id, 0, session.messages),
-        ])  # fmt: skip
 
-    def commit(self, session_id: str, first: int, messages: list[dict], fields: dict[str, Any], used_wall: float) -> None:
-        """One committed turn: its messages (positions from ``first``) and
-        the session's new ``fields`` (seed, draw_index, turns, usage), in
-        one durable transaction."""
-        sets = ", ".join(f"{name} = ?" for name in fields)
-        self._write([
-            (f"UPDATE sessions SET {sets}, used = ? WHERE id = ?", (*fields.values(), used_wall, session_id)),
-            *_inserts(session_id, first, messages),
-        ])  # fmt: skip
+def newer_schema(name: str, version: int) -> str:
+    return f"{name}: written by a newer trioserve (schema {version}; this one reads up to {SCHEMA_VERSION}); use that version or another state store"
 
-    def delete(self, session_id: str) -> None:
-        self._write([("DELETE FROM sessions WHERE id = ?", (session_id,))])
+
+def open_store(state_dir: str, state_url: str | None, environ) -> Rows | None:
+    """The state store the settings name (blocking): PostgreSQL for
+    ``state_url``, else the --state-dir file; None for memory only.
+    StateError, one line, when it cannot be used."""
+    if state_url:
+        from trioserve.state.durable_pg import PostgresStateDB  # psycopg only where it is used
+
+        return PostgresStateDB(state_url)
+    path = state_file(state_dir, environ)
+    return None if path is None else StateDB(path)
 
 
 def state_file(state_dir: str, environ) -> Path | None:
@@ -184,8 +254,8 @@ def state_file(state_dir: str, environ) -> Path | None:
     return Path(state_dir) / FILE_NAME
 
 
-def _inserts(session_id: str, first: int, messages: list[dict]) -> list[tuple[str, tuple]]:
-    return [("INSERT INTO messages VALUES (?, ?, ?)", (session_id, first + i, json.dumps(m, ensure_ascii=False))) for i, m in enumerate(messages)]
+def _inserts(session_id: str, first: int, messages: list[dict]) -> list[tuple[str, tuple, None]]:
+    return [("INSERT INTO messages VALUES (?, ?, ?)", (session_id, first + i, json.dumps(m, ensure_ascii=False)), None) for i, m in enumerate(messages)]
 
 
 def _reason(exc: sqlite3.Error) -> str:

@@ -128,6 +128,24 @@ class Turn:
     completion_tokens: int
 
 
+def _from_row(row: Mapping[str, Any], now: float) -> Session:
+    """A session as the journal keeps it (`StateDB.load`'s rows)."""
+    session = Session(
+        row["id"], row["created"], row["system"], row["defaults"], row["seed"], messages=list(row["messages"]),
+        draw_index=row["draw_index"], turns=row["turns"], prompt_tokens=row["prompt_tokens"],
+        completion_tokens=row["completion_tokens"], last_used=now, record=row["record"], model=row["model"],
+    )  # fmt: skip
+    return _sized(session)
+
+
+def _sized(session: Session) -> Session:
+    """``session`` with its size counted (history text and record)."""
+    session.size = sum(map(_message_bytes, session.messages))
+    if session.record is not None:
+        session.size += len(json.dumps(session.record, ensure_ascii=False).encode())
+    return session
+
+
 class SessionStore:
     def __init__(
         self,
@@ -189,10 +207,7 @@ class SessionStore:
         )  # fmt: skip
         if session.id in self._sessions:
             raise ValueError(f"a session {session.id!r} exists already")
-        session.size = sum(map(_message_bytes, session.messages))
-        if record is not None:
-            session.size += len(json.dumps(record, ensure_ascii=False).encode())
-        return session
+        return _sized(session)
 
     def write_create(self, session: Session) -> None:
         """The new session, durably on disk (blocking: may run in a thread);
@@ -204,10 +219,15 @@ class SessionStore:
         """The written session, kept in memory from now on."""
         if session.id in self._sessions:
             raise ValueError(f"a session {session.id!r} exists already")
-        self._bytes += session.size
-        self._sessions[session.id] = session
+        self._keep(session)
         self._enforce_count()
         return session
+
+    @property
+    def shared(self) -> bool:
+        """Other replicas write the same rows (a PostgreSQL store): memory is
+        a cache of the journal, brought up to date by `refresh`."""
+        return self.journal is not None and self.journal.shared
 
     def restore(self, rows: list[dict[str, Any]], now: float) -> int:
         """Bring back the sessions of this store's kind that `StateDB.load`
@@ -216,19 +236,34 @@ class SessionStore:
         for row in rows:
             if row["kind"] != self.kind or row["id"] in self._sessions:
                 continue
-            session = Session(
-                row["id"], row["created"], row["system"], row["defaults"], row["seed"], messages=row["messages"],
-                draw_index=row["draw_index"], turns=row["turns"], prompt_tokens=row["prompt_tokens"],
-                completion_tokens=row["completion_tokens"], last_used=now, record=row["record"], model=row["model"],
-            )  # fmt: skip
-            session.size = sum(map(_message_bytes, session.messages))
-            if session.record is not None:
-                session.size += len(json.dumps(session.record, ensure_ascii=False).encode())
-            self._bytes += session.size
-            self._sessions[session.id] = session
+            self._keep(_from_row(row, now))
             count += 1
         self._enforce_count()
         return count
+
+    def refresh(self, session_id: str, row: dict[str, Any] | None, now: float) -> None:
+        """Bring ``session_id`` up to date with its journal ``row`` (as
+        `fetch` read it; None: it is gone): a session another replica made
+        or continued is taken as the row has it, one it deleted is dropped
+        here too. A session with a turn running here is left alone (its
+        commit checks the row itself)."""
+        local = self._sessions.get(session_id)
+        if local is not None and local.busy:
+            return
+        if row is None or row["kind"] != self.kind:
+            if local is not None:
+                self._remove(session_id, durable=False)
+            return
+        if local is not None:
+            if local.turns == row["turns"]:
+                return
+            self._remove(session_id, durable=False)
+        self._keep(_from_row(row, now))
+        self._enforce_count()
+
+    def _keep(self, session: Session) -> None:
+        self._bytes += session.size
+        self._sessions[session.id] = session
 
     def get(self, session_id: str, now: float, *, use: bool = False) -> Session:
         """The session; with ``use`` it counts as used now (a stored
@@ -323,11 +358,12 @@ class SessionStore:
             if now - session.last_used <= self.idle_s:
                 break  # the rest were used more recently
             if not session.busy:
-                self._remove(sid)
+                self._remove(sid, durable=not self.shared)
                 self.evicted += 1
 
-    def _remove(self, session_id: str) -> None:
-        if self.journal is not None:
+    def _remove(self, session_id: str, *, durable: bool = True) -> None:
+        """Forget the session; ``durable``: delete its rows too."""
+        if durable and self.journal is not None:
             self.journal.delete(session_id)
         self._bytes -= self._sessions.pop(session_id).size
         if self.on_remove is not None:
@@ -346,7 +382,7 @@ class SessionStore:
             if not (over_count or over_bytes):
                 return
             if not self._sessions[sid].busy:
-                self._remove(sid)
+                self._remove(sid, durable=not self.shared)
                 self.evicted += 1
 
     def stats(self) -> dict[str, int]:
