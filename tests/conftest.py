@@ -52,3 +52,18 @@ def tiny_checkpoints_tied(tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     """The same kinds for a model whose output head is its embedding (no
     lm_head.weight / output.weight in the files)."""
     return build_tiny_checkpoints(tmp_path_factory.mktemp("tiny-tied"), tie=True)
+
+
+@pytest.fixture
+def postgres():
+    """A PostgreSQL server of this test's own (tests/postgres.py); skipped, saying why, where it cannot start."""
+    from tests.postgres import Unavailable, start_postgres
+
+    try:
+        server = start_postgres()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.remove()

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.http.test_drain import free_port, serve_command
+from trioserve import cli
 from trioserve.state.durable import FILE_NAME, SCHEMA_VERSION, StateDB, StateError
 from trioserve.state.session_store import SessionStore, Turn
 
@@ -41,12 +42,14 @@ async def healthy(url: str, proc: trio.Process) -> None:
 class Server:
     """One `trioserve serve` process on the tiny model with --state-dir."""
 
-    def __init__(self, model: Path, state: Path) -> None:
+    def __init__(self, model: Path, state: Path | str) -> None:
+        """``state``: a --state-dir, or a postgresql:// --state-url."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        where = ("--state-url", state) if str(state).startswith("postgresql://") else ("--state-dir", str(state))
         self.command = serve_command(
             "--model", str(model), "--served-model-name", "tiny", "--dtype", "float32", "--port", str(self.port),
-            "--kv-cache-bytes", "1MiB", "--state-dir", str(state), "--log-level", "warning",
+            "--kv-cache-bytes", "1MiB", *where, "--log-level", "warning",
         )  # fmt: skip
         self.proc: trio.Process | None = None
 
@@ -154,6 +157,23 @@ async def test_a_state_file_that_cannot_be_used_is_one_line_and_left_alone(tiny_
     assert lines == [lines[0]] and lines[0].startswith(f"trioserve: error: {path}: "), lines
     assert fragment in lines[0]
     assert path.read_bytes() == kept
+
+
+async def test_a_state_database_that_cannot_be_reached_is_one_line_without_its_password(tiny_gguf):
+    command = Server(tiny_gguf, "postgresql://someone:secret@127.0.0.1:1/state").command
+    with trio.fail_after(TIMEOUT):
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    lines = [line for line in done.stderr.decode().splitlines() if not line.startswith(("Loading", "Building"))]
+    assert done.returncode == 2, done.stderr.decode()
+    assert len(lines) == 1 and lines[0].startswith("trioserve: error: postgresql://someone@127.0.0.1:1/state: "), lines
+    assert "cannot reach or use the database" in lines[0] and "secret" not in done.stderr.decode()
+
+
+def test_a_state_url_of_another_kind_is_refused_without_echoing_it(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--state-url", "mysql://root:secret@db/state"])
+    err = capsys.readouterr().err
+    assert "--state-url: a state URL starts with postgresql:// (got mysql://)" in err and "secret" not in err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="as root every file is writable: a read-only state file cannot be made here")
