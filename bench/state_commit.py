@@ -1,12 +1,15 @@
 """What a durable session commit costs (issue #28): the same committed turn
 into a SessionStore with and without its SQLite journal (state/durable.py,
-WAL, synchronous=FULL), timed per commit. The server runs the durable write
-in a thread, off the event loop; this times the write itself.
+WAL, synchronous=FULL), timed per commit, and with a PostgreSQL one
+(state/durable_pg.py) when --state-url names a database. The server runs
+the durable write in a thread, off the event loop; this times the write
+itself.
 
-    .venv/bin/python bench/state_commit.py [--turns 300] [--dir DIR]
+    .venv/bin/python bench/state_commit.py [--turns 300] [--dir DIR] [--state-url URL]
 
 DIR is where the state file goes (default: a new directory under /tmp):
-put it on the disk the server's --state-dir would use."""
+put it on the disk the server's --state-dir would use. URL is a database
+it may write a `trioserve` schema into (as `serve --state-url` does)."""
 
 from __future__ import annotations
 
@@ -36,11 +39,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=300)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--state-url", default=None)
     args = parser.parse_args()
     where = args.dir or Path(tempfile.mkdtemp(prefix="trioserve-state-"))
-    for label, store in (("durable", SessionStore(journal=StateDB(where / FILE_NAME))), ("memory", SessionStore())):
+    stores = [("sqlite", str(where), SessionStore(journal=StateDB(where / FILE_NAME)))]
+    if args.state_url:
+        from trioserve.state.durable_pg import PostgresStateDB, safe_url
+
+        stores.append(("postgres", safe_url(args.state_url), SessionStore(journal=PostgresStateDB(args.state_url))))
+    stores.append(("memory", "no journal", SessionStore()))
+    for label, place, store in stores:
         times = sorted(commits(store, args.turns))
-        print(f"{label:8} commit: p50 {statistics.median(times) * 1e3:.3f} ms, p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms ({args.turns} turns, {where})")
+        print(f"{label:8} commit: p50 {statistics.median(times) * 1e3:.3f} ms, p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms ({args.turns} turns, {place})")
 
 
 if __name__ == "__main__":
