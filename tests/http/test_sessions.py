@@ -177,6 +177,19 @@ async def test_the_conversation_key_header(server):
             assert plain.headers["X-Session-Id"] == plain.json()["id"]
             taken = await client.post("/v1/sessions", json={}, headers={"X-Session-Id": "user-7:chat.1"})
             assert_error(taken, 409, fragment="a session 'user-7:chat.1' exists already", param="X-Session-Id", code="session_exists")
+            # Many at once with one new key (their writes to the state file
+            # overlap): exactly one makes it, every other is told it is taken.
+            raced: list[httpx.Response] = []
+
+            async def make() -> None:
+                raced.append(await client.post("/v1/sessions", json={}, headers={"X-Session-Id": "raced"}))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(make)
+            assert sorted(r.status_code for r in raced) == [200] + [409] * 7, [r.text for r in raced]
+            for lost in (r for r in raced if r.status_code == 409):
+                assert_error(lost, 409, fragment="a session 'raced' exists already", param="X-Session-Id", code="session_exists")
             for bad in ("two words", "x" * 129, "semi;colon"):
                 refused = await client.post("/v1/sessions", json={}, headers={"X-Session-Id": bad})
                 assert_error(refused, 400, fragment="X-Session-Id: 1 to 128 letters, digits and ._:- expected", param="X-Session-Id")

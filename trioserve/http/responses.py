@@ -342,7 +342,9 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
     @app.route("/v1/responses/<response_id>", methods=["DELETE"])
     async def delete_response(response_id: str) -> Response:
         try:
-            store.delete((await stored(response_id, None)).id, trio.current_time())
+            await stored(response_id, None)  # a 404 naming it when there is none
+            await durably(store.write_delete, response_id, store.journal is not None)
+            store.forget(response_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -134,7 +134,9 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     async def delete_session(session_id: str) -> Response:
         try:
             await synced(store, session_id)
-            store.delete(session_id, trio.current_time())
+            store.check_delete(session_id, trio.current_time())
+            await durably(store.write_delete, session_id, store.journal is not None)
+            store.forget(session_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return json_response({"id": session_id, "object": "session.deleted", "deleted": True})

@@ -277,10 +277,27 @@ class SessionStore:
         return session
 
     def delete(self, session_id: str, now: float) -> None:
-        session = self.get(session_id, now)
-        if session.busy:
+        """Delete it (on disk first, with a journal): `check_delete`,
+        `write_delete` and `forget`, which a caller on an event loop runs
+        apart, the write in a thread."""
+        self.check_delete(session_id, now)
+        self.write_delete(session_id)
+        self.forget(session_id)
+
+    def check_delete(self, session_id: str, now: float) -> None:
+        """SessionNotFound, or SessionBusy while a turn runs."""
+        if self.get(session_id, now).busy:
             raise SessionBusy(f"session {session_id!r} has a turn running; delete it after the turn ends")
-        self._remove(session_id)
+
+    def write_delete(self, session_id: str) -> None:
+        """Its rows deleted (blocking: may run in a thread); nothing without a journal."""
+        if self.journal is not None:
+            self.journal.delete(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """The deleted session, gone from memory too (if still there)."""
+        if session_id in self._sessions:
+            self._remove(session_id, durable=False)
 
     def begin(self, session_id: str, now: float) -> TurnLease:
         """Pin the session for a turn; the lease is that turn's identity."""
