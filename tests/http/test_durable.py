@@ -176,13 +176,23 @@ def test_a_state_url_of_another_kind_is_refused_without_echoing_it(capsys):
     assert "--state-url: a state URL starts with postgresql:// (got mysql://)" in err and "secret" not in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="as root every file is writable: a read-only state file cannot be made here")
 def test_a_read_only_state_file_is_refused_by_name(tmp_path):
+    """Read-only by its mode, or for root (whom modes do not stop) marked
+    immutable (`chattr +i`)."""
     path = tmp_path / FILE_NAME
     StateDB(path).close()
-    path.chmod(0o444)
-    with pytest.raises(StateError, match="cannot be written"):
-        StateDB(path)
+    kept = path.read_bytes()
+    if os.geteuid() != 0:
+        path.chmod(0o444)
+    elif subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
+        pytest.skip("running as root on a file system without chattr +i: a read-only state file cannot be made here")
+    try:
+        with pytest.raises(StateError, match=f"^{path}: cannot be written"):
+            StateDB(path)
+        assert path.read_bytes() == kept
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(path)], check=False)
 
 
 def test_every_change_is_in_the_file_when_the_call_returns(tmp_path):

@@ -184,7 +184,11 @@ class StateDB(Rows):
         """Bring the schema to SCHEMA_VERSION in one transaction (a new file
         gets the whole schema; there is no older one yet)."""
         if version == SCHEMA_VERSION:
-            self._db.execute("BEGIN IMMEDIATE")  # proves the file can be written (read-only, locked: an error now)
+            # Proves the file can be written (read-only, locked: an error
+            # now, not at the first commit): a read-only file still opens
+            # and begins a transaction; only a write tells.
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
             return
         self._db.execute("BEGIN IMMEDIATE")
