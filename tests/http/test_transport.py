@@ -107,6 +107,44 @@ async def test_http_1_0_without_keep_alive_closes(nursery, tiny_gguf):
     assert received.startswith(b"HTTP/1.1 200") and received.endswith(b'{"status": "ok"}'), received
 
 
+async def test_bytes_after_a_closing_request_are_dropped_not_a_400(nursery, tiny_gguf):
+    """A closing request (HTTP/1.0, or `Connection: close`) followed by more
+    bytes, in the same write or a later one, is answered as if they were not
+    there, and the connection then closes (h11 calls them a protocol error;
+    hypercorn answered that with an empty 400 in place of the response)."""
+    url = await start_server(nursery, make_settings(tiny_gguf))
+    host, port = url.removeprefix("http://").split(":")
+    body = chat(max_tokens=3, ignore_eos=True)
+    post = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    cases = [
+        ("1.0 + CRLF, one write", [b"GET /health HTTP/1.0\r\nHost: test\r\n\r\n\r\n"]),
+        ("1.0 + a second request", [b"GET /health HTTP/1.0\r\n\r\nGET /nope HTTP/1.0\r\n\r\n"]),
+        ("close + CRLF, one write", [post + b"\r\n"]),
+        ("close, then junk while it runs", [post, b"\r\n", b"garbage that is no request\r\n" * 100]),
+    ]
+    for name, writes in cases:
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(writes[0])
+            for data in writes[1:]:
+                await trio.sleep(0.02)
+                try:
+                    await stream.send_all(data)
+                except trio.BrokenResourceError:
+                    break  # answered and closed already: the rest is not wanted
+            received = await closed_by_server(stream, within=30.0)
+        head, _, answer = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), (name, received)
+        assert received.count(b"HTTP/1.1") == 1, (name, received)
+        if name.startswith("1.0"):
+            assert json.loads(answer) == {"status": "ok"}, name
+        else:
+            assert json.loads(answer)["usage"]["completion_tokens"] == 3, name
+
+
 async def test_idle_connections_are_closed_after_the_keep_alive_timeout(nursery, tiny_gguf):
     settings = attrs.evolve(make_settings(tiny_gguf), keep_alive_timeout_s=0.5)
     url = await start_server(nursery, settings)

@@ -33,6 +33,12 @@ docs/architecture.md, "The HTTP transport layer"):
   reading a long stream; here the read timeout applies only while a
   request body is due (a head is bounded by the keep-alive timer, which
   runs until a whole head has arrived).
+- Bytes after a closing request are dropped. An HTTP/1.0 request or one
+  with ``Connection: close`` ends the connection after its response; h11
+  treats any byte after it (a stray CRLF) as a protocol error, and
+  hypercorn then answers 400 instead of the response and never runs the
+  handler, or runs it and loses its answer. Here the request is answered
+  and what follows it is discarded (``_Closing``, ``_H11.handle``).
 - ``serve_http`` is ``hypercorn.trio.run.worker_serve`` for plain TCP with
   this connection class (worker_serve names its own), and sets each
   connection's kernel send buffer.
@@ -105,15 +111,35 @@ class _SkipBody:
         # Body: dropped. StreamClosed: nothing was started, nothing to end.
 
 
+class _Closing(h11.Connection):
+    """h11's server connection, except that once a closing request (HTTP/1.0,
+    or ``Connection: close``) has arrived whole, whatever follows it is
+    left unread instead of being an error: h11 raises on any byte there,
+    and hypercorn answers that with a 400 in place of the response still
+    being made (a trailing CRLF after the request was enough)."""
+
+    def next_event(self):
+        if self.their_state is h11.MUST_CLOSE:
+            return h11.NEED_DATA  # the connection ends after our response
+        return super().next_event()
+
+
 class _H11(H11Protocol):
     """hypercorn's HTTP/1.1 protocol with its recycling step shielded from
-    the app's cancellation and early responses' bodies skipped."""
+    the app's cancellation, early responses' bodies skipped, and bytes
+    after a closing request dropped."""
 
     def __init__(self, *args, write_timeout_s: float, abort: Callable[[], None]) -> None:
         super().__init__(*args)
+        self.connection = _Closing(h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size)
         self.write_timeout_s = write_timeout_s
         self.abort = abort
         self.body_length: int | None = 0
+
+    async def handle(self, event) -> None:
+        if isinstance(event, RawData) and isinstance(self.connection, h11.Connection) and self.connection.their_state is h11.MUST_CLOSE:
+            return  # after a closing request: dropped, not buffered (at most one read came with the request)
+        await super().handle(event)
 
     async def _create_stream(self, request: h11.Request) -> None:
         self.body_length = _declared_length(request)
