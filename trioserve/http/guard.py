@@ -1,5 +1,6 @@
 """The checks in front of every route (app.py's ``guard``), as plain
-functions of header values: the API key, and the content type of a body.
+functions of header values: the API key (``Authorization: Bearer``, or
+Anthropic's ``X-Api-Key``), and the content type of a body.
 
 A browser sends a cross-origin POST without asking first (no CORS
 preflight) only when its content type is one an HTML form could send:
@@ -22,6 +23,12 @@ def bearer_matches(authorization: str, api_key: str) -> bool:
     if scheme.lower() != "bearer":
         return False
     return hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def api_key_matches(value: str, api_key: str) -> bool:
+    """``X-Api-Key: <api_key>`` (Anthropic's header for the key), compared
+    in constant time."""
+    return bool(value) and hmac.compare_digest(value.strip().encode(), api_key.encode())
 
 
 def form_content_type(content_type: str) -> str | None:
