@@ -576,14 +576,41 @@ def test_sizes_at_the_limits_are_accepted() -> None:
         ({"z": "\ud800", "a": "\ud801"}, "z", "(\\ud800)"),
     ],
 )
-def test_lone_surrogates_are_refused_with_their_path(body: object, field: str | None, fragment: str) -> None:
+@pytest.mark.parametrize("encoding", [None, "utf-8", "utf-16", "utf-32-le"], ids=["parsed", "raw-utf8", "raw-utf16", "raw-utf32"])
+def test_lone_surrogates_are_refused_with_their_path(body: object, field: str | None, fragment: str, encoding: str | None) -> None:
+    """Checked on the parsed body alone, or with the text it came from
+    (whose scan lets a plainly fine body skip the walk): the same error."""
+    import json
+
     from trioserve.http.structuring import check_json_body
 
+    raw = None if encoding is None else json.dumps(body).encode(encoding.replace("-le", ""))
     with pytest.raises(RequestError) as caught:
-        check_json_body(body)
+        check_json_body(body, raw)
     assert caught.value.field == field
     assert fragment in str(caught.value), str(caught.value)
     str(caught.value).encode()  # the message itself is valid Unicode
+
+
+@pytest.mark.parametrize(
+    ("text", "fine"),
+    [
+        ('{"a": [[], {"b": "c"}], "d": "\\u00e9"}', True),
+        ("[" * 100 + "]" * 100, True),  # as deep as allowed
+        ("[" * 101 + "]" * 101, False),
+        ('["' + "[" * 300 + '"]', True),  # brackets inside a string do not nest
+        ('["a\\"' + "[" * 300 + '"]', True),  # an escaped quote does not end the string
+        ('{"k": "a\\"b", "v": ' + "[" * 101 + "]" * 101 + "}", False),
+        ('"\\ud800"', False),
+        ('"\\uDC00"', False),
+        ('"\\\\ud800"', False),  # an escaped backslash then text: looked at by the walk, which passes it
+        ("[" + "[]," * 100_000 + "[]]", True),  # many, shallow
+    ],
+)
+def test_the_scan_of_the_raw_text(text: str, fine: bool) -> None:
+    from trioserve.http.structuring import _plainly_fine
+
+    assert _plainly_fine(text.encode()) is fine
 
 
 def test_valid_unicode_passes_the_surrogate_check() -> None:
@@ -598,13 +625,17 @@ def test_valid_unicode_passes_the_surrogate_check() -> None:
     check_json_body(deep)
 
 
-def test_nesting_is_bounded() -> None:
+@pytest.mark.parametrize("with_raw", [False, True])
+def test_nesting_is_bounded(with_raw: bool) -> None:
+    import json
+
     from trioserve.http.structuring import MAX_JSON_DEPTH, check_json_body
 
     deep: object = {"a": "ok"}
     for _ in range(5000):  # far deeper than recursion could walk
         deep = [deep]
+    raw = ('{"tools": ' + "[" * 5000 + '{"a": "ok"}' + "]" * 5000 + "}").encode() if with_raw else None
     with pytest.raises(RequestError) as caught:
-        check_json_body({"tools": deep})
+        check_json_body({"tools": deep}, raw)
     assert caught.value.field == "tools" + "[0]" * (MAX_JSON_DEPTH - 1)
     assert f"objects and lists may nest at most {MAX_JSON_DEPTH} deep" in str(caught.value)

@@ -81,7 +81,7 @@ async def read_body(state: ServerState) -> object:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
             raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
-        check_json_body(body)
+        check_json_body(body, raw)
         return body
 
     return decode() if len(raw) <= BIG_BODY else await off_loop(decode)

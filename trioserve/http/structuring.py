@@ -29,6 +29,8 @@ their JSON path.
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 from collections.abc import Callable
 from typing import Any, Literal, get_args, get_origin
@@ -292,30 +294,85 @@ def _path_key(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
 
 
-def check_json_body(body: object) -> None:
+# A lone surrogate reaches a parsed body only through a JSON escape (UTF-8
+# cannot encode one); a string's text, for finding the brackets outside them.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NESTING_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _plainly_fine(raw: bytes) -> bool:
+    """The JSON text ``raw`` holds no surrogate escape and nests at most
+    MAX_JSON_DEPTH deep: what `check_json_body` looks for cannot be in it.
+    Scans in C (regular expressions, bytes methods), so a body of a million
+    tiny values costs milliseconds; False sends it to the full walk."""
+    if json.detect_encoding(raw) != "utf-8" or _SURROGATE_ESCAPE.search(raw):
+        return False  # UTF-16 or -32 text (JSON allows them), or an escape to look at
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return True
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_NESTING_STEP.__getitem__, brackets)), default=0) <= MAX_JSON_DEPTH
+
+
+_KEY = object()  # marks a walk entry that is an object's key, not a value
+
+
+def check_json_body(body: object, raw: bytes | None = None) -> None:
     """Raise RequestError naming the first problem in the parsed JSON
     ``body``, in document order: a string (a key or a value, at any depth)
     holding a lone UTF-16 surrogate, or an object or list nested more than
     MAX_JSON_DEPTH deep. JSON lets a lone surrogate through ("\\ud800"),
     but it is not Unicode: nothing can encode it, tokenize it or send it
-    back. The walk keeps its own stack, so any depth json.loads accepted
-    is walked."""
-    stack: list[tuple[str, object, bool, int]] = [("", body, False, 0)]
+    back. With the ``raw`` text it was parsed from, a scan of that text
+    first rules both out for nearly every body (`_plainly_fine`). The walk
+    keeps its own stack, so any depth json.loads accepted is walked, with
+    a small constant amount of work per value: each entry points at its
+    parent, and a path is spelled out only for the error (a body of a
+    million empty lists took seconds when every element's path was
+    formatted)."""
+    if raw is not None and _plainly_fine(raw):
+        return
+    stack: list[tuple] = [(body, 0, None, None)]  # (value, depth, parent entry, its key or index there)
+    pop, push = stack.pop, stack.append
     while stack:
-        path, value, is_key, depth = stack.pop()
-        if isinstance(value, dict | list) and depth >= MAX_JSON_DEPTH:
-            raise RequestError(f"{path}: objects and lists may nest at most {MAX_JSON_DEPTH} deep", field=path)
+        entry = pop()
+        value = entry[0]
         if isinstance(value, str):
+            if value.isascii():
+                continue
             char = _lone_surrogate(value)
             if char is not None:
-                what = "a key" if is_key else "the text"
+                path = _entry_path(entry)
+                what = "a key" if entry[3] is _KEY else "the text"
                 raise RequestError(
                     f"{path or 'the request body'}: {what} contains a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not valid Unicode",
                     field=path or None,
                 )
-        elif isinstance(value, dict):
+        elif isinstance(value, dict | list):
+            depth = entry[1]
+            if depth >= MAX_JSON_DEPTH:
+                path = _entry_path(entry)
+                raise RequestError(f"{path}: objects and lists may nest at most {MAX_JSON_DEPTH} deep", field=path)
+            if isinstance(value, list):
+                for i in range(len(value) - 1, -1, -1):
+                    push((value[i], depth + 1, entry, i))
+                continue
             for key, item in reversed(value.items()):
-                stack.append((_join(path, _path_key(str(key))), item, False, depth + 1))
-                stack.append((path, key, True, depth))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", value[i], False, depth + 1) for i in range(len(value) - 1, -1, -1))
+                push((item, depth + 1, entry, key))
+                if not key.isascii():
+                    push((key, depth, entry, _KEY))
+
+
+def _entry_path(entry: tuple) -> str:
+    """The JSON path of a walk entry (a key's is its object's)."""
+    steps = []
+    while entry[2] is not None:
+        step = entry[3]
+        if step is not _KEY:
+            steps.append(f"[{step}]" if isinstance(step, int) else _path_key(str(step)))
+        entry = entry[2]
+    path = ""
+    for step in reversed(steps):
+        path = _join(path, step)
+    return path
