@@ -29,9 +29,11 @@ from trioserve.http.completions import add_completion_routes
 from trioserve.http.edge import ServerState
 from trioserve.http.embeddings import add_embedding_routes
 from trioserve.http.errors import HTTPError, error_response
-from trioserve.http.guard import bearer_matches, form_content_type
+from trioserve.http.guard import api_key_matches, bearer_matches, form_content_type
 from trioserve.http.in_flight import InFlight
 from trioserve.http.lora import add_lora_routes
+from trioserve.http.messages import add_message_routes
+from trioserve.http.page import add_page_routes
 from trioserve.http.registry import load_startup_models, open_registry
 from trioserve.http.rerank import add_rerank_routes
 from trioserve.http.responses import add_response_routes
@@ -129,8 +131,9 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         if request.method == "OPTIONS":
             return None
         if settings.api_key and request.path.startswith("/v1"):
-            if not bearer_matches(request.headers.get("Authorization", ""), settings.api_key):
-                return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", kind="authentication_error", code="invalid_api_key"))
+            headers = request.headers
+            if not (bearer_matches(headers.get("Authorization", ""), settings.api_key) or api_key_matches(headers.get("X-Api-Key", ""), settings.api_key)):
+                return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>')", kind="authentication_error", code="invalid_api_key"))
         if request.method == "POST":
             # A form-like type lets any web page post here cross-origin with no CORS preflight.
             refused = form_content_type(request.headers.get("Content-Type", ""))
@@ -141,7 +144,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     @app.after_request
     async def cors(response: Response) -> Response:
         response.headers["Access-Control-Allow-Origin"] = "*"
-        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Session-Id"
+        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Session-Id, X-Api-Key, Anthropic-Version"
         response.headers["Access-Control-Expose-Headers"] = "X-Session-Id"
         response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         if state.phase == "draining":
@@ -164,6 +167,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     async def bad_method(_exc) -> Response:
         return error_response(HTTPError(405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed"))
 
+    add_page_routes(app, state)
     add_status_routes(app, state)
     add_admin_routes(app, state)
     add_lora_routes(app, state)
@@ -172,4 +176,5 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     add_embedding_routes(app, state)
     add_rerank_routes(app, state)
     state.responses = add_response_routes(app, state)
+    add_message_routes(app, state)
     return app

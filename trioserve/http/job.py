@@ -8,6 +8,7 @@ many choices of each, and the output's shape:
     chat      /v1/chat/completions: chat.completion, or its chunks
     text      /v1/completions: text_completion, or its chunks
     response  /v1/responses: a response object, or its events
+    message   /v1/messages: an Anthropic message, or its events
     turn      /v1/sessions/{id}/turns: a chat completion that continues the
               session's random stream and keeps its KV for the session
 
@@ -27,8 +28,8 @@ from trioserve.models.guided import Guide
 from trioserve.models.output_parser import OutputParser
 from trioserve.types import GenerateRequest, SamplingParams
 
-Shape = Literal["chat", "text", "response", "turn"]
-CHAT_SHAPES = ("chat", "response", "turn")  # shapes whose output may be parsed into tool calls and reasoning
+Shape = Literal["chat", "text", "response", "message", "turn"]
+CHAT_SHAPES = ("chat", "response", "message", "turn")  # shapes whose output may be parsed into tool calls and reasoning
 
 
 @attrs.frozen
