@@ -54,12 +54,13 @@ SETTINGS = (
 PLACEHOLDER = [{"role": "user", "content": "-"}]
 
 
-def _check_settings(body: dict, engine) -> dict:
+async def _check_settings(body: dict, engine) -> dict:
     """The session settings in ``body``, validated exactly as chat fields
-    are, and refused now when no turn could ever run with them: a
-    max_tokens that leaves no room for even a one-token prompt."""
+    are (in a worker thread: tools and schemas can be large), and refused
+    now when no turn could ever run with them: a max_tokens that leaves no
+    room for even a one-token prompt."""
     settings = {k: body[k] for k in SETTINGS if k in body}
-    req = parse_chat_request({"messages": PLACEHOLDER, **settings})
+    req = await off_loop(parse_chat_request, {"messages": PLACEHOLDER, **settings})
     stats = engine.statistics()
     room = min(engine.max_model_len, stats.kv_blocks_total * stats.block_size) - 1
     for field in ("max_completion_tokens", "max_tokens"):
@@ -107,7 +108,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             if system is not None and not isinstance(system, str):
                 raise HTTPError(400, "system: expected a string", param="system")
             seed = _session_seed(body)
-            defaults = _check_settings(body, engine)
+            defaults = await _check_settings(body, engine)
             chosen = affinity_key()  # a client's own key becomes the session's id, so a load balancer can route its creation too
             try:
                 session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen)
@@ -158,7 +159,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             defaults = found.defaults
             if any(k in body for k in CONSTRAINT_FIELDS):  # a turn's own constraint replaces the session's
                 defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINT_FIELDS}
-            req = parse_chat_request({**defaults, **body})
+            req = await off_loop(parse_chat_request, {**defaults, **body})  # tools and schemas can be large: not on the event loop
             if req.n != 1:
                 raise HTTPError(400, "n: a session turn has exactly one choice", param="n")
             new = [message_dict(m) for m in req.messages]
