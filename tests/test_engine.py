@@ -637,7 +637,7 @@ async def test_full_queue_refuses_with_retry_after(ckpt):
     assert stats.finished_count("cancelled") == 1 and stats.kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("max_tokens", [0, -1, -5, 2.5])
+@pytest.mark.parametrize("max_tokens", [-1, -5, 2.5])  # 0 is a prompt alone (tests/core/test_prompt_scoring.py)
 async def test_bad_max_tokens_is_a_request_error(ckpt, max_tokens):
     # Validation happens before anything is sized from max_tokens: -5 must not
     # reach trio's channel constructor, nor 2.5 arithmetic.

@@ -180,7 +180,7 @@ class Generation:
         self.request_id = request.request_id or f"req-{secrets.token_hex(8)}"
         self._inbox = engine._inbox
         self._scheduler = engine._scheduler
-        events_send, events = trio.open_memory_channel[Event](request.params.max_tokens + 2)
+        events_send, events = trio.open_memory_channel[Event](request.params.max_tokens + 3)  # tokens, a prompt event, the final, one spare
         self._events_send = events_send
         self._reply_send, self._reply = trio.open_memory_channel[BaseException | None](1)
         self.stream = _EventStream(events)

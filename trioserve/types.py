@@ -111,6 +111,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Score the prompt (vLLM's prompt_logprobs): each prompt token after the
+    # first gets its log-probability given the tokens before it, its rank, and
+    # the likeliest this many tokens there. None: the prompt is not scored.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -124,8 +128,9 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raise SamplingError for the first field out of range; token ids
         must be below ``vocab_size``."""
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise SamplingError("max_tokens", f"max_tokens must be a whole number of at least 1, got {self.max_tokens!r}")
+        # 0: the prompt is prefilled (and scored, with prompt_logprobs) and nothing is generated.
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            raise SamplingError("max_tokens", f"max_tokens must be a whole number of at least 0, got {self.max_tokens!r}")
         _check_number("temperature", self.temperature)
         if not is_int(self.top_k) or self.top_k < 0:
             raise SamplingError("top_k", f"top_k must be a whole number of at least 0 (0 turns it off), got {self.top_k!r}")
@@ -158,6 +163,8 @@ class SamplingParams:
             _check_token("stop_token_ids", token, vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise SamplingError("prompt_logprobs", f"prompt_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs!r}")
 
 
 def fold_seed(seed: int) -> int:
@@ -230,6 +237,16 @@ class SampleRow:
 
 
 @attrs.frozen
+class ScoreRow:
+    """Scoring a prompt chunk (SamplingParams.prompt_logprobs): the logits of
+    the row's first ``len(targets)`` positions each score the prompt token
+    that follows it, ``targets`` in order, and list the ``top`` likeliest."""
+
+    targets: tuple[int, ...]
+    top: int = 0
+
+
+@attrs.frozen
 class PlanRow:
     """One sequence's part of a step: ``token_ids`` go in at positions
     start, start + 1, ...; ``block_table`` covers every position up to
@@ -237,7 +254,8 @@ class PlanRow:
     chunk reaches the end of what the sequence holds); ``guide`` is its
     output constraint then, if any. ``pool`` > 0 (an embedding request's
     prefill chunk): the final hidden states of this row's last ``pool``
-    tokens are summed into the step's result (StepResult.pooled)."""
+    tokens are summed into the step's result (StepResult.pooled).
+    ``score``: this prompt chunk's positions are scored (StepResult.scored)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -248,6 +266,7 @@ class PlanRow:
     guide: Guide | None = attrs.field(default=None, eq=False)
     pool: int = 0
     adapter: str | None = None  # the LoRA adapter this row runs with (GenerateRequest.adapter)
+    score: ScoreRow | None = None
 
 
 @attrs.frozen
@@ -265,6 +284,10 @@ class StepPlan:
     def pooling(self) -> tuple[PlanRow, ...]:
         return tuple(r for r in self.rows if r.pool > 0)
 
+    @property
+    def scoring(self) -> tuple[PlanRow, ...]:
+        return tuple(r for r in self.rows if r.score is not None)
+
 
 @attrs.frozen
 class Sampled:
@@ -277,6 +300,19 @@ class Sampled:
 
 
 @attrs.frozen
+class PromptLogprob:
+    """One prompt token scored by the tokens before it: its log-probability
+    (of the model's raw distribution, as Sampled's), its rank among the
+    vocabulary (1 + how many other tokens are at least as likely), and the
+    likeliest ``top`` (id, logprob) there, best first, ties by id."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
 class StepResult:
     """What running a plan gave. Exactly one of:
     - ``sampled``: for each sampling row of the plan, in order, its tokens;
@@ -286,7 +322,8 @@ class StepResult:
       constraint or sampling error): the sampling rows fail.
     Beside ``sampled`` or ``failed`` (the forward pass ran), ``pooled``
     holds, for each pooling row of the plan (PlanRow.pool), in order, the
-    sum of its pooled hidden states in fixed point (state/pooling.py)."""
+    sum of its pooled hidden states in fixed point (state/pooling.py), and
+    ``scored``, for each scoring row (PlanRow.score), in order, its scores."""
 
     step: int
     sampled: tuple[tuple[Sampled, ...], ...] = ()
@@ -294,6 +331,7 @@ class StepResult:
     fatal: str | None = None
     failed: str | None = None
     pooled: tuple[tuple[int, ...], ...] = ()
+    scored: tuple[tuple[PromptLogprob, ...], ...] = ()
 
 
 # -- what a request's consumer receives --------------------------------------
@@ -304,6 +342,16 @@ class TokenEvent:
     text: str  # text that became final with this token ('' while held back)
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class PromptEvent:
+    """A scored prompt (SamplingParams.prompt_logprobs), sent once its
+    prefill is done, before any token: the scores of prompt tokens 1, 2, ...
+    (the first token has none)."""
+
+    request_id: str
+    logprobs: tuple[PromptLogprob, ...]
 
 
 @attrs.frozen
@@ -342,4 +390,4 @@ class FinalEvent:
     embedding: tuple[float, ...] | None = None  # an embedding request's vector (float32 values), when it ends with "stop"
 
 
-Event = TokenEvent | FinalEvent
+Event = TokenEvent | PromptEvent | FinalEvent

@@ -367,7 +367,9 @@ def test_top_logprobs_ties_by_id_and_short_vocabulary() -> None:
 
 VOCAB = 100
 BAD = [
-    (dict(max_tokens=0), "max_tokens", "at least 1"),
+    (dict(max_tokens=-1), "max_tokens", "at least 0"),  # 0: the prompt alone (prefilled, and scored when asked)
+    (dict(prompt_logprobs=21), "prompt_logprobs", "from 0 to 20"),
+    (dict(prompt_logprobs=True), "prompt_logprobs", "from 0 to 20"),
     (dict(temperature=3.0), "temperature", "temperature must be between 0 and 2, got 3.0"),
     (dict(temperature=-0.1), "temperature", "got -0.1"),
     (dict(temperature=float("nan")), "temperature", "nan"),

@@ -15,7 +15,7 @@ from trioserve.types import Event, GenerateRequest, StepPlan, StepResult
 class Submit:
     request_id: str
     request: GenerateRequest
-    events: trio.MemorySendChannel[Event]  # bounded by max_tokens + 2: publishing never blocks
+    events: trio.MemorySendChannel[Event]  # bounded by max_tokens + 3: publishing never blocks
     reply: trio.MemorySendChannel[BaseException | None]  # one message: None (accepted) or the refusal
 
 

@@ -10,7 +10,7 @@ result to the core; publish what it returns. Every call into the core
 carries the time read here, and every such call is the one boundary a
 recording sees (core/trace.py).
 
-Publishing never blocks: each request's event channel holds max_tokens + 2
+Publishing never blocks: each request's event channel holds max_tokens + 3
 events. A request whose consumer left (`leave`, called as its generation
 closes, or its event channel found closed when publishing) is cancelled;
 neither needs room in the inbox, so a cancellation cannot be lost."""

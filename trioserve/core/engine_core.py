@@ -17,6 +17,13 @@ sums (StepResult.pooled), which the core adds up, and when the prompt is all
 prefilled the request ends with its vector in the FinalEvent
 (state/pooling.py). Nothing about it is sampled.
 
+A request that scores its prompt (SamplingParams.prompt_logprobs) has each
+prompt chunk planned with the tokens its positions predict (PlanRow.score);
+the worker returns their scores (StepResult.scored), computed from the very
+logits of that prefill, and once the prefill is done the core sends them in
+one PromptEvent, before any token. With max_tokens 0 the request then ends
+("length") with nothing generated.
+
 Contract: at most one plan is in flight. `plan` refuses to run while one
 is; `result` must name the plan in flight. Inputs that arrive while a step
 runs (submissions, cancellations, orders) are taken at once; cancellations
@@ -42,7 +49,9 @@ from trioserve.types import (
     FinalEvent,
     GenerateRequest,
     PlanRow,
+    PromptEvent,
     SampleRow,
+    ScoreRow,
     SamplingError,
     StepPlan,
     StepResult,
@@ -75,6 +84,8 @@ def check_request(request: GenerateRequest, vocab_size: int) -> None:
             raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {request.pooling!r}", field="pooling")
         if request.retain is not None or request.guide is not None:
             raise RequestError("an embedding request generates nothing: it takes no retain owner and no output constraint", field="pooling")
+        if request.params.prompt_logprobs is not None:
+            raise RequestError("an embedding request does not score its prompt: it takes no prompt_logprobs", field="prompt_logprobs")
     try:
         request.params.validate(vocab_size)
     except SamplingError as exc:
@@ -228,12 +239,16 @@ class EngineCore:
         pooling = [r for r in rows if r.pool]
         if len(result.pooled) != len(pooling):
             raise CoreMisuse(f"step {result.step} has {len(pooling)} pooling rows but its result has {len(result.pooled)}")
+        scoring = [r for r, p in zip(rows, flight.plan.rows, strict=True) if p.score is not None]
+        if len(result.scored) != len(scoring):
+            raise CoreMisuse(f"step {result.step} has {len(scoring)} scoring rows but its result has {len(result.scored)}")
         self.policy.stepped(rows)
         self.policy.timed(rows, now - flight.planned_at)
         self.stats.steps += 1
         self.stats.last_batch = len(rows)
         self.stats.prompt_tokens += sum(max(0, min(len(r.seq.prompt_ids), r.start + len(r.tokens)) - r.start) for r in rows)
         events: list[Event] = self._pool(rows, pooling, result.pooled)
+        self._score(rows, scoring, result.scored, events)
         sampling = [r for r in rows if r.samples]
         if result.failed is not None:
             return events + [self._fail(r.seq, result.failed) for r in sampling]
@@ -302,6 +317,7 @@ class EngineCore:
             guide=request.guide,
             pooling=request.pooling,
             adapter=request.adapter,
+            prompt_scores=None if params.prompt_logprobs is None else [],
         )
 
     def _plan_row(self, row: PlannedRow) -> PlanRow:
@@ -310,6 +326,13 @@ class EngineCore:
         if row.samples:
             history = tuple(seq.history()) if seq.params.penalized else ()
             sample = SampleRow(seq.params, seq.seed, seq.draw_index, history, row.draft)
+        score = None
+        if seq.prompt_scores is not None and not row.decode:
+            # Position p predicts prompt token p + 1: every position of the chunk
+            # but the prompt's last (which predicts the first generated token).
+            targets = seq.prompt_ids[row.start + 1 : row.start + len(row.tokens) + 1]
+            if targets:
+                score = ScoreRow(tuple(targets), seq.params.prompt_logprobs)
         return PlanRow(
             seq.id,
             tuple(row.tokens),
@@ -320,6 +343,7 @@ class EngineCore:
             seq.guide if sample is not None else None,
             row.pool,
             seq.adapter,
+            score,
         )
 
     def _pool(self, rows: list[PlannedRow], pooling: list[PlannedRow], pooled) -> list[Event]:
@@ -339,6 +363,26 @@ class EngineCore:
                 self.policy.finish(seq, "stop")
                 events.append(self._final(seq, "stop", vector=vector))
         return events
+
+    def _score(self, rows: list[PlannedRow], scoring: list[PlannedRow], scored, events: list[Event]) -> None:
+        """Add each scoring row's scores to its request; for each request
+        whose prefill this step ended: its PromptEvent, when it scores its
+        prompt, and its end, when it generates nothing (max_tokens 0)."""
+        for row, scores in zip(scoring, scored, strict=True):
+            if row.seq.prompt_scores is None:
+                raise CoreMisuse(f"request {row.seq.id} does not score its prompt, but its row has scores")
+            row.seq.prompt_scores.extend(scores)
+        for row in rows:
+            seq = row.seq
+            if seq.pooling is not None or not row.ends_prefill:
+                continue
+            if seq.prompt_scores is not None:
+                if len(seq.prompt_scores) != len(seq.prompt_ids) - 1:
+                    raise CoreMisuse(f"request {seq.id}: {len(seq.prompt_scores)} prompt tokens scored of {len(seq.prompt_ids) - 1}")
+                events.append(PromptEvent(seq.id, tuple(seq.prompt_scores)))
+            if seq.params.max_tokens == 0:
+                self.policy.finish(seq, "length")
+                events.append(self._final(seq, "length"))
 
     def _commit(self, seq: Sequence, sampled, now: float, events: list[Event]) -> bool:
         """Take one sampled token; True when the request ended with it."""

@@ -170,7 +170,7 @@ def _count(summary: Summary, events: list[dict]) -> None:
     for e in events:
         if "token" in e:
             summary.tokens += 1
-        else:
+        elif "final" in e:
             summary.finals += 1
 
 
@@ -194,7 +194,7 @@ def _compare(line: int, step: int | None, request_id: str | None, expected: Any,
 
 def _request_of(event: Any) -> str | None:
     if isinstance(event, dict):
-        return event.get("token") or event.get("final")
+        return event.get("token") or event.get("final") or event.get("prompt")
     return None
 
 

@@ -16,6 +16,10 @@ made, with the time its caller read and what the core returned:
 An embedding request's submission carries "pooling"; a step's result
 carries "pooled" (its pooling rows' fixed-point sums, exact integers), and
 the request's final event its "embedding", so replays check those too.
+A request that scores its prompt carries "prompt_logprobs" in its params
+(absent otherwise); a step's result then carries "scored" (each scoring
+row's [token, logprob, rank, top] per scored position) and the request's
+prompt event ({"prompt": id, "logprobs": [...]}) is an output like the others.
 
 Because the core is deterministic, feeding the same inputs to a fresh core
 gives the same outputs (core/replay.py checks it, byte for byte), and
@@ -40,6 +44,8 @@ from trioserve.types import (
     Event,
     FinalEvent,
     GenerateRequest,
+    PromptEvent,
+    PromptLogprob,
     Sampled,
     SamplingParams,
     StepPlan,
@@ -73,6 +79,8 @@ def params_json(params: SamplingParams) -> dict:
     out["logit_bias"] = [list(pair) for pair in params.logit_bias]
     out["stop"] = list(params.stop)
     out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.prompt_logprobs is None:  # absent, as before the field existed
+        del out["prompt_logprobs"]
     return out
 
 
@@ -123,6 +131,8 @@ def refusal_json(refusal: BaseException | None) -> dict | None:
 
 
 def event_json(event: Event) -> dict:
+    if isinstance(event, PromptEvent):
+        return {"prompt": event.request_id, "logprobs": [scored_json(p) for p in event.logprobs]}
     if isinstance(event, FinalEvent):
         t = event.timings
         out = {
@@ -160,6 +170,15 @@ def sampled_json(s: Sampled) -> list:
     return [s.token, s.draws, s.logprob, [list(pair) for pair in s.top_logprobs]]
 
 
+def scored_json(p: PromptLogprob) -> list:
+    return [p.token, p.logprob, p.rank, [list(pair) for pair in p.top]]
+
+
+def scored_from_json(data: list) -> PromptLogprob:
+    token, logprob, rank, top = data
+    return PromptLogprob(int(token), float(logprob), int(rank), tuple((int(i), float(lp)) for i, lp in top))
+
+
 def result_json(result: StepResult) -> dict:
     out: dict[str, Any] = {"step": result.step}
     if result.sampled:
@@ -170,6 +189,8 @@ def result_json(result: StepResult) -> dict:
             out[field] = value
     if result.pooled:
         out["pooled"] = [list(row) for row in result.pooled]
+    if result.scored:
+        out["scored"] = [[scored_json(p) for p in row] for row in result.scored]
     return out
 
 
@@ -179,7 +200,8 @@ def result_from_json(data: dict) -> StepResult:
         for row in data.get("sampled", ())
     )
     pooled = tuple(tuple(int(x) for x in row) for row in data.get("pooled", ()))
-    return StepResult(data["step"], sampled, data.get("refused"), data.get("fatal"), data.get("failed"), pooled)
+    scored = tuple(tuple(scored_from_json(p) for p in row) for row in data.get("scored", ()))
+    return StepResult(data["step"], sampled, data.get("refused"), data.get("fatal"), data.get("failed"), pooled, scored)
 
 
 def events_json(events: list[Event]) -> list[dict]:

@@ -358,12 +358,39 @@ class LlamaModel:
         final hidden states of the packed tokens ``hidden_rows``, after the
         last RMSNorm, uncast ([P, hidden] fp32). Every row of either is
         computed from that row alone (the norm and the head are per row)."""
+        return self.forward_parts(batch, cache, logit_rows, hidden_rows=hidden_rows)  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def forward_parts(
+        self,
+        batch: StepBatch,
+        cache: KVCache,
+        logit_rows: torch.Tensor,
+        *,
+        hidden_rows: torch.Tensor | None = None,
+        scored_rows: torch.Tensor | None = None,
+        scored: Callable[[torch.Tensor], None] | None = None,
+        slice_rows: int = 128,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run one step like `forward`; return the logits of the packed
+        tokens ``logit_rows`` ([K, vocab] fp32; None when K is 0) and, with
+        ``hidden_rows``, those tokens' final hidden states as
+        `forward_hidden` gives them. With ``scored_rows``, the logits of those
+        packed tokens go to ``scored``, ``slice_rows`` rows at a time (never
+        [T, vocab] floats at once). Each row is computed from itself alone:
+        the same bits through either path, whatever shares its step."""
         h = self._residual(batch, cache)
         logits = None
         if logit_rows.numel():
             logits = self._head(self._rms_norm(h.index_select(0, logit_rows), self.norm))
-        picked = h.index_select(0, hidden_rows).contiguous()
-        return logits, self.kernels.rms_norm(picked, self.norm, self.config.rms_eps, torch.float32)
+        if scored_rows is not None and scored is not None:
+            for part in scored_rows.split(slice_rows):
+                scored(self._head(self._rms_norm(h.index_select(0, part), self.norm)))
+        hidden = None
+        if hidden_rows is not None:
+            picked = h.index_select(0, hidden_rows).contiguous()
+            hidden = self.kernels.rms_norm(picked, self.norm, self.config.rms_eps, torch.float32)
+        return logits, hidden
 
     def _residual(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """The step's layers: K/V written into ``cache``, and the fp32

@@ -6,9 +6,14 @@ got right. It is synchronous and blocking: the worker actor calls it in its
 device thread (actors/worker.py), and replay calls it directly
 (core/replay.py), so both run exactly the same step.
 
-`run` is two halves in order: `forward` (the inputs, the forward pass and
-pooling: what benchmarks time on its own) and `finish` (masks, draws, draft
-checks).
+`run` is two halves in order: `forward` (the inputs, the forward pass,
+pooling and prompt scoring: what benchmarks time on its own) and `finish`
+(masks, draws, draft checks).
+
+Prompt scoring (PlanRow.score): the rows of a prompt chunk that predict the
+next prompt token go through the output head too, in slices, and their
+scores (models/scoring.py) come back in StepResult.scored. Steps with no
+such row run exactly as before.
 
 Failure semantics. A step refused before it runs (its inputs do not describe
 a valid step) fails only that step's requests: nothing was written. Any
@@ -31,9 +36,10 @@ import torch
 from trioserve.kernels.cpu import ThreadGovernor
 from trioserve.models.guided import GuideCompiler
 from trioserve.models.sampling import sample_rows
+from trioserve.models.scoring import score_rows
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.pooling import FRACTION_BITS, LIMIT
-from trioserve.types import PlanRow, Sampled, SampleRow, StepPlan, StepResult
+from trioserve.types import PlanRow, PromptLogprob, Sampled, SampleRow, StepPlan, StepResult
 
 
 class StepRefused(Exception):
@@ -43,11 +49,13 @@ class StepRefused(Exception):
 @attrs.frozen
 class StepOutput:
     """What a forward pass gave: the logits of the plan's sampling rows, in
-    order ([rows, vocab] fp32 on the CPU; None when nothing samples), and
-    the fixed-point sums of its pooling rows (StepResult.pooled)."""
+    order ([rows, vocab] fp32 on the CPU; None when nothing samples), the
+    fixed-point sums of its pooling rows (StepResult.pooled) and the scores
+    of its scoring rows (StepResult.scored)."""
 
     logits: torch.Tensor | None
     pooled: tuple[tuple[int, ...], ...] = ()
+    scored: tuple[tuple[PromptLogprob, ...], ...] = ()
 
 
 class StepRunner:
@@ -75,9 +83,9 @@ class StepRunner:
         """The step's result after its forward pass: the sampled tokens, and
         the pooled sums whatever sampling gave."""
         if not plan.sampling:
-            return StepResult(plan.number, pooled=out.pooled)
+            return StepResult(plan.number, pooled=out.pooled, scored=out.scored)
         result = self.sample(plan, out.logits)
-        return attrs.evolve(result, pooled=out.pooled) if out.pooled else result
+        return attrs.evolve(result, pooled=out.pooled, scored=out.scored) if out.pooled or out.scored else result
 
     def forward(self, plan: StepPlan) -> StepResult | StepOutput:
         """The forward pass: the logits of the plan's sampling rows and the
@@ -101,9 +109,12 @@ class StepRunner:
             if int(batch.positions.max()) >= model.config.max_position:
                 raise StepRefused(f"position {int(batch.positions.max())} is past the model's context")
             pooled_at, counts = pooled_rows(plan, chunks) if plan.pooling else ([], [])
+            scored_at = scored_positions(plan, chunks) if plan.scoring else None
         except (ValueError, StepRefused) as exc:
             return StepResult(plan.number, refused=str(exc))
         try:
+            if scored_at is not None:
+                return self._forward_scoring(plan, scored_at, index, batch, pooled_at, counts)
             if not counts:  # the plain step: every sequence's logits, the sampling rows' kept
                 logits = model.forward(batch, self.cache)
                 wanted = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
@@ -117,6 +128,33 @@ class StepRunner:
             return StepResult(plan.number, refused=str(exc))
         except Exception as exc:  # noqa: BLE001 - any fault mid-step may have half-written the cache
             return StepResult(plan.number, fatal=f"{type(exc).__name__}: {exc}")
+
+    def _forward_scoring(self, plan: StepPlan, scored_at, index: list[int], batch, pooled_at: list[int], counts: list[int]) -> StepOutput:
+        """The forward pass of a step with scoring rows: the sampling rows'
+        logits and the pooling rows' sums as `_forward` gives them, and the
+        scoring rows' positions through the head in slices, each slice
+        scored as it comes (so no step holds every position's logits)."""
+        model = self.model
+        device = batch.last_index.device
+        at, targets, tops = scored_at
+        scores: list[PromptLogprob] = []
+
+        def scored(logits: torch.Tensor) -> None:
+            k = len(scores)
+            n = logits.shape[0]
+            scores.extend(score_rows(logits, targets[k : k + n], tops[k : k + n], self.vocab_size))
+
+        heads = batch.last_index.index_select(0, torch.tensor(index, dtype=torch.long, device=device))
+        hidden_rows = torch.tensor(pooled_at, dtype=torch.long, device=device) if counts else None
+        scored_rows = torch.tensor(at, dtype=torch.long, device=device)
+        logits, hidden = model.forward_parts(batch, self.cache, heads, hidden_rows=hidden_rows, scored_rows=scored_rows, scored=scored)
+        per_row = []
+        k = 0
+        for r in plan.scoring:
+            per_row.append(tuple(scores[k : k + len(r.score.targets)]))
+            k += len(r.score.targets)
+        pooled = fixed_point_sums(hidden.cpu(), counts) if counts else ()
+        return StepOutput(None if logits is None else logits.float().cpu(), pooled, tuple(per_row))
 
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         """One token for each sampling row of ``plan`` from ``logits`` (its
@@ -185,6 +223,28 @@ def pooled_rows(plan: StepPlan, chunks: list[SeqChunk]) -> tuple[list[int], list
         k += len(became)
         at += sum(len(c.token_ids) for c in became)
     return positions, counts
+
+
+def scored_positions(plan: StepPlan, chunks: list[SeqChunk]) -> tuple[list[int], list[int], list[int]]:
+    """For the plan's scoring rows, in order: the packed positions whose
+    logits score a prompt token (a scoring row is a prompt chunk, so one
+    chunk; its first ``len(targets)`` tokens), the tokens they score, and
+    how many of the likeliest each lists."""
+    positions: list[int] = []
+    targets: list[int] = []
+    tops: list[int] = []
+    k = at = 0  # the row's first chunk (step_chunks' order), and that chunk's packed position
+    for r in plan.rows:
+        became = chunks[k : k + (len(r.token_ids) if r.sample is not None and r.sample.draft else 1)]
+        if r.score is not None:
+            if len(r.score.targets) > len(r.token_ids):
+                raise ValueError(f"request {r.request_id}: {len(r.score.targets)} tokens to score in a chunk of {len(r.token_ids)}")
+            positions.extend(range(at, at + len(r.score.targets)))
+            targets.extend(r.score.targets)
+            tops.extend([r.score.top] * len(r.score.targets))
+        k += len(became)
+        at += sum(len(c.token_ids) for c in became)
+    return positions, targets, tops
 
 
 def fixed_point_sums(hidden: torch.Tensor, counts: list[int]) -> tuple[tuple[int, ...], ...]:

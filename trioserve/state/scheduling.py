@@ -34,7 +34,12 @@ Rules:
   prompt, and ends when its prefill does. It neither looks its prompt up in
   the prefix cache (a hit would skip the very hidden states it pools) nor
   leaves its blocks there (embedding inputs are rarely chat prefixes, and
-  they would push those out)."""
+  they would push those out).
+- A request that scores its prompt (SamplingParams.prompt_logprobs) does
+  not look its prompt up in the prefix cache either: a cached block has no
+  logits, and every prompt position must pass through the head. Its blocks
+  are registered when it ends, like any prompt's. With max_tokens 0 it
+  ends ("length") as soon as its prefill is done."""
 
 from __future__ import annotations
 
@@ -80,8 +85,14 @@ class PlannedRow:
     @property
     def samples(self) -> bool:
         """Whether this row's logits pick a token: its chunk reaches the end
-        (never for an embedding request)."""
-        return self.seq.pooling is None and self.start + len(self.tokens) - len(self.draft) == self.seq.num_tokens
+        (never for an embedding request, nor for one of max_tokens 0)."""
+        seq = self.seq
+        return seq.pooling is None and seq.params.max_tokens > 0 and self.start + len(self.tokens) - len(self.draft) == seq.num_tokens
+
+    @property
+    def ends_prefill(self) -> bool:
+        """This row is its prompt's last chunk."""
+        return not self.decode and self.start + len(self.tokens) == len(self.seq.prompt_ids)
 
     @property
     def pool(self) -> int:
@@ -204,7 +215,7 @@ class SchedulingPolicy:
         """Give ``seq`` its blocks for prompt + max_tokens: shared cached
         prefix blocks first, then fresh ones, evicting idle cached blocks if
         that makes room. False (and nothing held) when it does not fit yet."""
-        lookup = self.cache is not None and seq.pooling is None
+        lookup = self.cache is not None and seq.pooling is None and seq.params.prompt_logprobs is None
         shared = self.cache.match(seq.prompt_ids, now, chain_root(seq.adapter)) if lookup else []
         if shared:
             self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them

@@ -9,7 +9,7 @@ from collections.abc import Collection
 import attrs
 
 from trioserve.state.stops import StopMatcher
-from trioserve.types import Guide, SamplingParams, TextDecoder
+from trioserve.types import Guide, PromptLogprob, SamplingParams, TextDecoder
 
 
 @attrs.frozen
@@ -50,6 +50,9 @@ class Sequence:
     adapter: str | None = None  # the LoRA adapter's key (types.GenerateRequest.adapter); its KV is its own
     pool_sums: list[int] | None = None
     pooled_rows: int = 0
+    # A scored prompt (SamplingParams.prompt_logprobs): its tokens' scores
+    # so far, from the first chunk on; None when the prompt is not scored.
+    prompt_scores: list[PromptLogprob] | None = None
 
     @property
     def num_tokens(self) -> int:
