@@ -641,7 +641,8 @@ async def test_n_larger_than_the_queue_is_refused_by_name(nursery, tiny_gguf):
 @pytest.mark.parametrize("echo", [False, True])
 async def test_streamed_completion_logprobs_carry_the_buffered_text_offsets(server, echo):
     """Each streamed chunk's text_offset continues from the previous tokens'
-    text (and the echoed prompt), exactly as the buffered response counts."""
+    text (and the echoed prompt), exactly as the buffered response counts.
+    Echoed, the prompt's tokens come first, from offset 0 (issue #29)."""
     body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2, "echo": echo}
     with trio.fail_after(20):
         async with httpx.AsyncClient(base_url=server, timeout=10) as client:
@@ -655,6 +656,8 @@ async def test_streamed_completion_logprobs_carry_the_buffered_text_offsets(serv
         if chunk.get("logprobs"):
             got["tokens"] += chunk["logprobs"]["tokens"]
             got["text_offset"] += chunk["logprobs"]["text_offset"]
-    assert got["tokens"] == want["tokens"] and len(got["tokens"]) == 8
+    prompt = buffered.json()["usage"]["prompt_tokens"] if echo else 0
+    assert got["tokens"] == want["tokens"] and len(got["tokens"]) == prompt + 8
     assert got["text_offset"] == want["text_offset"]
-    assert got["text_offset"][0] == (len("The quick brown fox") if echo else 0)
+    assert got["text_offset"][prompt] == (len("The quick brown fox") if echo else 0)
+    assert "".join(got["tokens"][:prompt]) == ("The quick brown fox" if echo else "")

@@ -1,7 +1,13 @@
 """Chat and text completions as OpenAI renders them: one chat.completion or
 text_completion body, or a stream of their chunks (then usage and [DONE]).
 A session turn is a chat completion. The connection (connection.py) runs
-the generations; this says what each event becomes."""
+the generations; this says what each event becomes.
+
+A scored prompt (a PromptEvent, which comes before any token) becomes, for
+an echoed completion with logprobs, the prompt's entries at the head of the
+legacy logprobs (streamed: the echo chunk waits for it, so the prompt's
+text and scores come together first), and for vLLM's prompt_logprobs field
+that field: on each completion choice, at the top level of a chat body."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from quart import Response
 
 from trioserve.http import openai
 from trioserve.http.errors import error_response, json_response, to_response
-from trioserve.types import Event, FinalEvent
+from trioserve.types import Event, FinalEvent, PromptEvent
 
 if TYPE_CHECKING:
     from trioserve.http.connection import Connection
@@ -40,6 +46,19 @@ class CompletionRender:
         """What choice ``index``'s text starts with: its prompt when echoed."""
         return self.job.prompt(index).text if self.job.echo else ""
 
+    def _echo_scores(self, index: int, choice: openai.Choice):
+        """The prompt part of choice ``index``'s legacy logprobs (echo with
+        logprobs): its ids, their scores and how many alternatives; else None."""
+        if not (self.job.echo and self.job.logprobs) or choice.prompt is None:
+            return None
+        prompt = self.job.prompt(index)
+        return prompt.ids, choice.prompt, prompt.params.top_logprobs
+
+    def _logprobs(self, c: openai.Choice) -> dict | None:
+        if not self.job.logprobs:
+            return None
+        return openai.completion_logprobs(self.tokenizer, c.tokens, len(self._echoed(c.index)), self._echo_scores(c.index, c))
+
     def _cached(self, finals) -> int:
         """Usage's cached prompt tokens: those of each prompt's first choice."""
         return sum(final.usage.cached_tokens for final in finals)
@@ -48,17 +67,22 @@ class CompletionRender:
         job = self.job
         await self.conn.final(choices[0])
         if self.chat:
-            return json_response(openai.chat_body(job.id, job.created, job.model, choices, job.prompt_tokens, self.tokenizer, job.logprobs))
+            return json_response(
+                openai.chat_body(job.id, job.created, job.model, choices, job.prompt_tokens, self.tokenizer, job.logprobs, job.prompt_logprobs)
+            )
         body = openai.envelope("text_completion", job.id, job.created, job.model)
         body["choices"] = [
             {
                 "index": c.index,
                 "text": self._echoed(c.index) + c.content,
-                "logprobs": openai.completion_logprobs(self.tokenizer, c.tokens, len(self._echoed(c.index))) if job.logprobs else None,
+                "logprobs": self._logprobs(c),
                 "finish_reason": c.final.finish_reason,
             }
             for c in choices
         ]
+        if job.prompt_logprobs is not None:  # vLLM's field, on each choice
+            for entry, c in zip(body["choices"], choices, strict=True):
+                entry["prompt_logprobs"] = openai.prompt_logprobs_body(self.tokenizer, c.prompt, job.prompt_logprobs) if c.prompt else None
         body["usage"] = openai.usage_body(
             job.prompt_tokens, sum(c.final.usage.completion_tokens for c in choices),
             self._cached(c.final for c in choices if c.index % job.n == 0), 0,  # completions parse no reasoning
@@ -85,7 +109,7 @@ class CompletionRender:
         if self.chat and not defer:
             for i in range(job.choices):
                 yield self._role_chunk(i, None if job.forced_call else "")
-        elif job.echo:
+        elif job.echo and not job.logprobs:  # with logprobs, each echo waits for its prompt's scores
             for i in range(job.choices):
                 yield openai.sse(openai.completion_chunk(job.id, job.created, job.model, i, self._echoed(i)))
         for index in range(job.choices):
@@ -138,6 +162,12 @@ class CompletionRender:
     def _chunks(self, choice: openai.Choice, event, deltas):
         job, tok = self.job, self.tokenizer
         index = choice.index
+        if isinstance(event, PromptEvent):
+            echo = self._echo_scores(index, choice)
+            if echo is not None:
+                lp = openai.completion_logprobs(tok, (), 0, echo)
+                yield openai.sse(openai.completion_chunk(job.id, job.created, job.model, index, self._echoed(index), None, lp)), 0
+            return
         if isinstance(event, FinalEvent):
             if event.finish_reason == "error":
                 _, body, _ = to_response(self.conn.failure(event))

@@ -1,10 +1,16 @@
 """POST /v1/chat/completions and POST /v1/completions.
 
 Each route reads its body into a `GenerationJob` (trioserve/http/job.py),
-in one place, and a `Connection` runs it (trioserve/http/connection.py)."""
+in one place, and a `Connection` runs it (trioserve/http/connection.py).
+
+Prompt scores: `prompt_logprobs` (vLLM's field, both routes) and, on
+completions, `echo` with `logprobs` ask the engine to score the prompt
+(SamplingParams.prompt_logprobs, with the longer of the two top lists);
+`max_tokens` 0 with `echo` scores it and generates nothing."""
 
 from __future__ import annotations
 
+import attrs
 from quart import Response
 
 from trioserve.errors import RequestError
@@ -28,9 +34,10 @@ def add_completion_routes(app, state: ServerState) -> None:
             messages = map(message_dict, req.messages)  # made in the thread that renders them
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, messages, req.tools, req.tool_choice)
             params = sampling_params(req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"))
+            params = attrs.evolve(params, prompt_logprobs=req.prompt_logprobs)
             job = GenerationJob(
                 id=openai.new_id("chatcmpl"), shape="chat", model=model.name, created=openai.now(),
-                prompts=[Prompt("", prompt_ids, params)], n=req.n, logprobs=req.logprobs,
+                prompts=[Prompt("", prompt_ids, params)], n=req.n, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
                 guides=await compile_guides(engine, req, req.n), stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 adapter=model.adapter_key, **output_parsing(model, req.tools, req.tool_choice),
@@ -51,14 +58,24 @@ def add_completion_routes(app, state: ServerState) -> None:
             prompts = await off_loop(_completion_prompts, engine, req.prompt, state.settings.allow_special_in_prompt)
             job = GenerationJob(
                 id=openai.new_id("cmpl"), shape="text", model=model.name, created=openai.now(),
-                prompts=[Prompt(text, ids, sampling_params(req, default_max_tokens=default_max_tokens(state, engine, ids, "prompt"))) for text, ids in prompts],
-                n=req.n, logprobs=req.logprobs is not None, echo=req.echo,
+                prompts=[Prompt(text, ids, _completion_params(state, engine, req, ids)) for text, ids in prompts],
+                n=req.n, logprobs=req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                 guides=await compile_guides(engine, req, req.n * len(prompts)), stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage), adapter=model.adapter_key,
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return await Connection(job, engine).respond()
+
+
+def _completion_params(state: ServerState, engine, req, ids: list[int]):
+    """One prompt's SamplingParams. Its prompt is scored for
+    `prompt_logprobs` and for `echo` with `logprobs` (the longer top list
+    serves both); the default max_tokens is only worked out when none was
+    sent (a prompt filling the context may still be scored, max_tokens 0)."""
+    default = default_max_tokens(state, engine, ids, "prompt") if req.max_tokens is None else 1
+    asked = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    return attrs.evolve(sampling_params(req, default_max_tokens=default), prompt_logprobs=max(asked) if asked else None)
 
 
 def _prompt_count(prompt) -> int:

@@ -51,7 +51,11 @@ class GenerationJob:
     forced_call: tool_choice forces a call, so the reply can only be calls:
     a chat stream's role chunk then says content null, as OpenAI's does.
     draw_start, retain: a session turn's place in its random stream, and
-    the session that keeps the turn's KV."""
+    the session that keeps the turn's KV.
+    prompt_logprobs: the request's vLLM field (how many likeliest tokens to
+    list at each prompt position; None: not asked), rendered beside the
+    choices; echo with logprobs renders the prompt's scores in the legacy
+    logprobs instead (completions)."""
 
     id: str
     shape: Shape
@@ -61,6 +65,7 @@ class GenerationJob:
     n: int = 1
     logprobs: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None
     guides: tuple[Guide | None, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple), eq=False)
     calls: bool = False
     reasoning: bool = False

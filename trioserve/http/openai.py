@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import attrs
 
 from trioserve import __version__
-from trioserve.types import FinalEvent, TokenEvent
+from trioserve.types import FinalEvent, PromptEvent, TokenEvent
 from trioserve.models.output_parser import THINK_CLOSE, Delta, OutputParser, Parsed, ToolCall
 from trioserve.models.tokenizer import Tokenizer
 
@@ -55,9 +55,13 @@ class Choice:
     text: list[str] = attrs.field(factory=list)
     tokens: list[TokenEvent] = attrs.field(factory=list)
     final: FinalEvent | None = None
+    prompt: PromptEvent | None = None  # the prompt's scores, when asked for
 
     def add(self, event) -> list[Delta]:
         """Take one event; return the output it made certain."""
+        if isinstance(event, PromptEvent):
+            self.prompt = event
+            return []
         if isinstance(event, TokenEvent):
             self.tokens.append(event)
         else:
@@ -146,9 +150,30 @@ def chat_logprob_entries(tokenizer: Tokenizer, events: Sequence[TokenEvent]) -> 
     return out
 
 
-def completion_logprobs(tokenizer: Tokenizer, events: Sequence[TokenEvent], offset: int) -> dict:
-    """The legacy completions logprobs object."""
+def completion_logprobs(
+    tokenizer: Tokenizer, events: Sequence[TokenEvent], offset: int, prompt: tuple[Sequence[int], PromptEvent, int] | None = None
+) -> dict:
+    """The legacy completions logprobs object. With ``prompt`` (an echoed
+    prompt's ids, their scores and how many alternatives to list), the
+    prompt's tokens come first, as OpenAI's legacy API gives them: the
+    first with null for its logprob and its alternatives, text offsets from
+    0; the generated tokens' offsets start at ``offset`` all the same."""
     tokens, lps, tops, offsets = [], [], [], []
+    if prompt is not None:
+        ids, scored, top = prompt
+        at = 0
+        for i, token in enumerate(ids):
+            text, _ = token_text(tokenizer, token)
+            tokens.append(text)
+            offsets.append(at)
+            at += len(text)
+            if i == 0:
+                lps.append(None)
+                tops.append(None)
+                continue
+            p = scored.logprobs[i - 1]
+            lps.append(_finite(p.logprob))
+            tops.append({token_text(tokenizer, t)[0]: _finite(lp) for t, lp in p.top[:top]})
     at = offset
     for e in events:
         text, _ = token_text(tokenizer, e.token_id)
@@ -158,6 +183,24 @@ def completion_logprobs(tokenizer: Tokenizer, events: Sequence[TokenEvent], offs
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_body(tokenizer: Tokenizer, scored: PromptEvent, top: int) -> list:
+    """vLLM's prompt_logprobs: null for the first prompt token, then for
+    each later one a dict from token id (a string, as JSON keys are) to its
+    logprob, rank and text: the prompt's token first, then the ``top``
+    likeliest there (rank 1 first), the prompt's token among them at most once."""
+    out: list = [None]
+    for p in scored.logprobs:
+        entry = {str(p.token): _prompt_entry(tokenizer, p.token, p.logprob, p.rank)}
+        for rank, (token, lp) in enumerate(p.top[:top], start=1):
+            entry.setdefault(str(token), _prompt_entry(tokenizer, token, lp, rank))
+        out.append(entry)
+    return out
+
+
+def _prompt_entry(tokenizer: Tokenizer, token: int, logprob: float, rank: int) -> dict:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(tokenizer, token)[0]}
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int | None = None) -> dict:
@@ -176,7 +219,12 @@ def envelope(kind: str, response_id: str, created: int, model: str) -> dict:
     return {"id": response_id, "object": kind, "created": created, "model": model, "system_fingerprint": FINGERPRINT}
 
 
-def chat_body(response_id: str, created: int, model: str, choices: Sequence[Choice], prompt_tokens: int, tokenizer: Tokenizer, logprobs: bool) -> dict:
+def chat_body(
+    response_id: str, created: int, model: str, choices: Sequence[Choice], prompt_tokens: int, tokenizer: Tokenizer, logprobs: bool,
+    prompt_logprobs: int | None = None,
+) -> dict:  # fmt: skip
+    """A chat.completion; with ``prompt_logprobs`` (vLLM's field) the
+    prompt's scores beside the choices, at the top level, as vLLM puts them."""
     body = envelope("chat.completion", response_id, created, model)
     body["choices"] = [
         {
@@ -191,6 +239,8 @@ def chat_body(response_id: str, created: int, model: str, choices: Sequence[Choi
         prompt_tokens, sum(c.final.usage.completion_tokens for c in choices), choices[0].final.usage.cached_tokens,
         sum(c.reasoning_tokens for c in choices),
     )  # fmt: skip
+    if prompt_logprobs is not None and choices[0].prompt is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(tokenizer, choices[0].prompt, prompt_logprobs)
     return body
 
 

@@ -8,7 +8,8 @@ problem is one `RequestError` that names its JSON path.
 A feature the server does not offer is refused by name rather than ignored:
 functions, function_call other than "none" (send tools), suffix, best_of
 other than 1 or n, completion logprobs above 5, stream_options without
-stream, more than one output constraint (response_format, guided_*).
+stream, more than one output constraint (response_format, guided_*),
+prompt_logprobs with stream, completion max_tokens 0 without echo.
 
 Fields whose cost grows with their size before generation starts are
 bounded (docs/api.md lists the limits): stop strings (matched by an
@@ -69,6 +70,11 @@ def _at_least_one(value: int) -> None:
 def _top_k(value: int) -> None:
     if value < -1:
         raise Invalid(f"must be -1 or a whole number of at least 0 (-1 and 0 turn it off), got {num(value)}")
+
+
+def _completion_max_tokens(value: int) -> None:
+    if value < 0:  # 0 (with echo) scores the prompt alone: parse_completion_request checks echo
+        raise Invalid(f"must be at least 1 (or 0 with echo), got {num(value)}")
 
 
 def _not_empty(value: tuple) -> None:
@@ -317,6 +323,7 @@ class ChatCompletionRequest:
     logit_bias: dict[int, float] | None = field(None, parse=_parse_logit_bias)
     logprobs: bool = False
     top_logprobs: int | None = field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # needs logprobs
+    prompt_logprobs: int | None = field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # vLLM's: score the prompt
     user: str | None = None
     ignore_eos: bool = False  # an extension (vLLM has it)
     tools: tuple[Tool, ...] | None = field(None, check=_tool_count)
@@ -336,7 +343,7 @@ class CompletionRequest:
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = field(None, check=_at_least_one)
+    max_tokens: int | None = field(None, check=_completion_max_tokens)
     temperature: float | None = field(None, check=_sampling_range("temperature"))
     top_p: float | None = field(None, check=_sampling_range("top_p"))
     top_k: int | None = field(None, check=_top_k)
@@ -352,6 +359,7 @@ class CompletionRequest:
     ignore_eos: bool = False
     echo: bool = False
     logprobs: int | None = field(None, check=_completion_logprobs)  # top logprobs per token
+    prompt_logprobs: int | None = field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # vLLM's: score the prompt
     response_format: ResponseFormat | None = field(None, parse=parse_response_format)
     guided_json: dict | None = field(None, parse=parse_json_object, check=schema_size)
     guided_regex: str | None = field(None, check=constraint_text)
@@ -408,6 +416,7 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
         _refuse("function_call", "the deprecated function_call field is not supported; send tool_choice")
     request: ChatCompletionRequest = _structure(data, ChatCompletionRequest)
     _check_stream_options(request)
+    _check_prompt_logprobs(request)
     if request.top_logprobs and not request.logprobs:
         _refuse("top_logprobs", "needs logprobs to be true")
     choice = request.tool_choice
@@ -453,8 +462,16 @@ def parse_completion_request(body: object) -> CompletionRequest:
         if best_of not in (1, request.n):
             _refuse("best_of", f"only best_of equal to n is supported, got {num(best_of)} with n {request.n}")
     _check_stream_options(request)
+    _check_prompt_logprobs(request)
+    if request.max_tokens == 0 and not request.echo:
+        _refuse("max_tokens", "must be at least 1, got 0 (0 is only for echo: true, to score the prompt alone)")
     given_constraints(request)
     return request
+
+
+def _check_prompt_logprobs(request: ChatCompletionRequest | CompletionRequest) -> None:
+    if request.prompt_logprobs is not None and request.stream:
+        _refuse("prompt_logprobs", "is not supported with stream (as in vLLM); for a streamed prompt's scores use echo with logprobs on /v1/completions")
 
 
 def _check_stream_options(request: ChatCompletionRequest | CompletionRequest) -> None:
