@@ -605,12 +605,14 @@ def test_lone_surrogates_are_refused_with_their_path(body: object, field: str | 
         ('"\\uDC00"', False),
         ('"\\\\ud800"', False),  # an escaped backslash then text: looked at by the walk, which passes it
         ("[" + "[]," * 100_000 + "[]]", True),  # many, shallow
+        ('"\ud800"', False),  # the bytes UTF-8 would give it, which json.loads lets through
+        ('"\ud7ff \ue000 \U0001f916"', True),  # the neighbours, and a pair's character, are fine
     ],
 )
 def test_the_scan_of_the_raw_text(text: str, fine: bool) -> None:
     from trioserve.http.structuring import _plainly_fine
 
-    assert _plainly_fine(text.encode()) is fine
+    assert _plainly_fine(text.encode("utf-8", "surrogatepass")) is fine
 
 
 def test_valid_unicode_passes_the_surrogate_check() -> None:

@@ -294,9 +294,11 @@ def _path_key(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
 
 
-# A lone surrogate reaches a parsed body only through a JSON escape (UTF-8
-# cannot encode one); a string's text, for finding the brackets outside them.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A lone surrogate reaches a parsed body through a JSON escape, or as the
+# three bytes UTF-8 would give it (not valid UTF-8, but json.loads decodes
+# bytes with surrogatepass); a string's text, for finding the brackets
+# outside them.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _NESTING_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
