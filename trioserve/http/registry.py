@@ -288,6 +288,7 @@ class Registry:
         model.scope.cancel()
         await model.stopped.wait()
         del self.models[name]
+        engine = model = None  # noqa: F841 - this frame's own references go before the collection, not when it returns
         for _ in range(3):  # what the engine's tasks let go of as they unwind, collected as it goes
             release_memory()
             await trio.sleep(0.05)
@@ -366,6 +367,28 @@ async def _drain(held: Held, timeout_s: float, end_the_rest) -> tuple[int, int]:
         with trio.move_on_after(STOP_GRACE_S):
             await held.idle()
     return waiting, ended
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def fix_mmap_threshold() -> bool:
+    """Have glibc serve every allocation of 1 MiB or more (weights,
+    packed kernels' copies, KV blocks) from its own mapping, which goes
+    back to the system when freed. By default glibc raises that threshold
+    each time such a mapping is freed (up to 32 MiB), so after a model is
+    unloaded the next one's buffers land in the heap's arenas, where what
+    is freed mostly stays in the process. Setting it fixes it. True where
+    it was set (glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    except (OSError, AttributeError):
+        return False
 
 
 def release_memory() -> None:
