@@ -207,7 +207,13 @@ class GenerateRequest:
     (``params`` then only needs to be valid; state/pooling.py).
     adapter: the LoRA adapter the request runs with (its key: its name and
     load number, so a reloaded adapter never meets its predecessor's KV),
-    None for the base model."""
+    None for the base model.
+    cache_salt: the prefix cache's salt: a request shares cached blocks only
+    with requests of the same salt (its tenant's, and its own cache_salt
+    field's: http/edge.py); None shares with every unsalted request.
+    tenant: whose request it is (an API key's tenant, http/tenants.py):
+    when several tenants' prompts wait, each step's prefill budget is
+    shared between them (state/scheduling.py `prefill_shares`)."""
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     params: SamplingParams = SamplingParams()
@@ -217,6 +223,8 @@ class GenerateRequest:
     guide: Guide | None = attrs.field(default=None, eq=False)  # this request's own output constraint
     pooling: str | None = None
     adapter: str | None = None
+    cache_salt: str | None = None
+    tenant: str | None = None
 
 
 # -- one step: its plan and its result -------------------------------------

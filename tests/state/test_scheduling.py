@@ -399,3 +399,36 @@ def test_timed_learns_only_from_steps_with_enough_prompt_tokens(make):
     assert (p.decode_step_s, p.prompt_token_s) == (None, None)
     p.timed(rows, 0.0)  # no time at all (equal clock readings) teaches nothing either
     assert (p.decode_step_s, p.prompt_token_s) == (None, None)
+
+
+def test_tenants_share_each_steps_prefill_budget(make):
+    """Bob's two long prompts came first; Alice's short one still gets half
+    of every step's budget from the first step on, and what she leaves goes
+    to Bob. Without tenants (one group), admission order alone."""
+    p = policy(budget=16)
+    bob1, bob2, alice = make("b1", 40, 2), make("b2", 40, 2), make("al", 6, 2)
+    bob1.tenant = bob2.tenant = "bob"
+    alice.tenant = "alice"
+    for seq in (bob1, bob2, alice):
+        p.enqueue(seq)
+    p.admit(0.0)
+    rows = p.plan()
+    assert [(r.seq.id, len(r.tokens)) for r in rows] == [("b1", 10), ("al", 6)]  # her 6 of 8; her 2 spare went to Bob
+    step(p, rows)
+    rows = p.plan()
+    assert [(r.seq.id, len(r.tokens), r.samples) for r in rows] == [("al", 1, True), ("b1", 15, False)]  # she decodes; Bob has the rest
+
+
+def test_prefill_shares_split_evenly_and_hand_on_what_is_not_needed(make):
+    from trioserve.state.scheduling import prefill_shares
+
+    seqs = [make(name, length, 1) for name, length in (("a1", 30), ("b1", 3), ("c1", 30), ("a2", 30))]
+    for seq, tenant in zip(seqs, ("a", "b", "c", "a"), strict=True):
+        seq.tenant = tenant
+    a1, b1, c1, a2 = seqs
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 12)] == [("a1", 5), ("b1", 3), ("c1", 4)]  # 4 each; b's spare 1 went to a (first)
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 100)] == [("a1", 30), ("b1", 3), ("c1", 30), ("a2", 30)]
+    assert prefill_shares(seqs, 0) == []
+    for seq in seqs:
+        seq.tenant = None
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 40)] == [("a1", 30), ("b1", 3), ("c1", 7)]  # admission order, as before tenants

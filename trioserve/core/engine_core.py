@@ -317,6 +317,8 @@ class EngineCore:
             guide=request.guide,
             pooling=request.pooling,
             adapter=request.adapter,
+            cache_salt=request.cache_salt,
+            tenant=request.tenant,
             prompt_scores=None if params.prompt_logprobs is None else [],
         )
 

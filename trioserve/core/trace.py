@@ -108,6 +108,10 @@ def request_json(request: GenerateRequest) -> dict:
         out["pooling"] = request.pooling
     if request.adapter is not None:  # a LoRA adapter's request (absent otherwise, as before adapters existed)
         out["adapter"] = request.adapter
+    if request.cache_salt is not None:  # a salted request (absent otherwise, as before salts existed)
+        out["cache_salt"] = request.cache_salt
+    if request.tenant is not None:  # a tenant's request (absent otherwise, as before tenants existed)
+        out["tenant"] = request.tenant
     return out
 
 
@@ -121,6 +125,8 @@ def request_from_json(data: dict, compile_guide: Callable[[dict], Any]) -> Gener
         guide=guide,
         pooling=data.get("pooling"),
         adapter=data.get("adapter"),
+        cache_salt=data.get("cache_salt"),
+        tenant=data.get("tenant"),
     )
 
 

@@ -75,6 +75,8 @@ class GenerationJob:
     draw_start: int = 0
     retain: str | None = None
     adapter: str | None = None  # the LoRA adapter's key its rows run with (registry.Adapter), None for the base model
+    cache_salt: str | None = None  # the prefix cache's salt (edge.cache_salt: the tenant's, and the request's own)
+    tenant: str | None = None  # whose request (edge.tenant): steps share their prefill budget between tenants
 
     def __attrs_post_init__(self) -> None:
         if not self.prompts:
@@ -108,8 +110,11 @@ class GenerationJob:
         if index % self.n:
             params = attrs.evolve(params, seed=resolve_seed(params.seed, index % self.n))
         if index == 0:
-            return GenerateRequest(prompt.ids, params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide, adapter=self.adapter)
-        return GenerateRequest(prompt.ids, params, guide=guide, adapter=self.adapter)
+            return GenerateRequest(
+                prompt.ids, params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide, adapter=self.adapter,
+                cache_salt=self.cache_salt, tenant=self.tenant,
+            )  # fmt: skip
+        return GenerateRequest(prompt.ids, params, guide=guide, adapter=self.adapter, cache_salt=self.cache_salt, tenant=self.tenant)
 
     def parser(self, index: int) -> OutputParser | None:
         """Choice ``index``'s output parser, when there is anything to split

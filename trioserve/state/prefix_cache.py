@@ -59,11 +59,15 @@ def held_key(owner: str) -> str:
     return f"{owner}\x00held"
 
 
-def chain_root(adapter: str | None) -> bytes:
+def chain_root(adapter: str | None, salt: str | None = None) -> bytes:
     """Where a sequence's chain of block keys starts: one root for the base
     model, and one per LoRA adapter, so no two adapters (nor an adapter and
-    the base model) ever share a cached block."""
-    return ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+    the base model) ever share a cached block; and with a ``salt`` (a
+    tenant's, or a request's cache_salt: types.GenerateRequest.cache_salt)
+    one per salt as well, so requests of different salts never hit, time or
+    count each other's blocks."""
+    root = ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+    return root if salt is None else hashlib.sha256(b"salt\0" + root + salt.encode()).digest()
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:

@@ -17,7 +17,10 @@ Rules:
   the owner commits (the pins become the owner's) or cancels (let go).
 - A step takes every running sequence's decode token first, then prefill
   chunks in admission order until the per-step token budget is spent, so a
-  long prompt delays decoding rows by at most one chunk per step.
+  long prompt delays decoding rows by at most one chunk per step. With
+  requests of several tenants prefilling, the budget is shared between the
+  tenants first (`prefill_shares`): one tenant's huge prompts cannot take
+  every step's budget while another's wait.
 - With ``max_step_s``, a step that carries decode rows also carries no
   more prompt tokens than fit that time, by what the last steps took (a
   decode-only step's time, and the time a prompt token added): on a slow
@@ -216,7 +219,7 @@ class SchedulingPolicy:
         prefix blocks first, then fresh ones, evicting idle cached blocks if
         that makes room. False (and nothing held) when it does not fit yet."""
         lookup = self.cache is not None and seq.pooling is None and seq.params.prompt_logprobs is None
-        shared = self.cache.match(seq.prompt_ids, now, chain_root(seq.adapter)) if lookup else []
+        shared = self.cache.match(seq.prompt_ids, now, chain_root(seq.adapter, seq.cache_salt)) if lookup else []
         if shared:
             self.pool.adopt(seq.id, shared)  # held now, so eviction cannot take them
         missing = blocks_needed(seq.max_total, self.pool.block_size) - len(shared)
@@ -245,12 +248,8 @@ class SchedulingPolicy:
             budget -= 1 + len(draft)
         if decoding and prefilling:
             budget = min(budget, self._prompt_room())
-        for seq in prefilling:
-            if budget <= 0:
-                break
-            tokens = seq.pending(budget)
-            rows.append(PlannedRow(seq, tokens, seq.num_cached))
-            budget -= len(tokens)
+        for seq, count in prefill_shares(prefilling, budget):
+            rows.append(PlannedRow(seq, seq.pending(count), seq.num_cached))
         return rows
 
     def _prompt_room(self) -> int:
@@ -317,7 +316,7 @@ class SchedulingPolicy:
             computed = seq.history()[: seq.num_cached]
             if not self.share_generated_kv:
                 computed = computed[: len(seq.prompt_ids)]
-            root = chain_root(seq.adapter)
+            root = chain_root(seq.adapter, seq.cache_salt)
             self.cache.register(computed, self.pool.table(seq.id), now, root)
             if seq.retain is not None and reason in ("stop", "length"):
                 # Held for the owner until it settles the turn (see `settle`).
@@ -344,3 +343,35 @@ class SchedulingPolicy:
 def _blend(old: float | None, new: float) -> float:
     """A running estimate: the newest value weighs COST_WEIGHT."""
     return new if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * new
+
+
+def prefill_shares(prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    """How many prompt tokens each prefilling sequence gets in a step of
+    ``budget`` prompt tokens, in admission order. One tenant (or none): in
+    admission order until the budget is spent. Several: the budget is
+    shared evenly between the tenants with prompt tokens left (what one
+    does not need goes to the others), and each tenant's share goes to its
+    sequences in admission order."""
+    need = {seq.id: len(seq.prompt_ids) - seq.num_cached for seq in prefilling}
+    tenants: dict[str | None, list[Sequence]] = {}
+    for seq in prefilling:
+        tenants.setdefault(seq.tenant, []).append(seq)
+    given = dict.fromkeys(need, 0)
+    if len(tenants) <= 1:
+        for seq in prefilling:
+            given[seq.id] = min(need[seq.id], max(budget, 0))
+            budget -= given[seq.id]
+    else:
+        left = max(budget, 0)
+        wanting = [t for t in tenants if any(need[s.id] for s in tenants[t])]
+        while left > 0 and wanting:
+            share, extra = divmod(left, len(wanting))
+            for place, tenant in enumerate(wanting):
+                allowance = share + (1 if place < extra else 0)
+                for seq in tenants[tenant]:
+                    take = min(allowance, need[seq.id] - given[seq.id])
+                    given[seq.id] += take
+                    allowance -= take
+                    left -= take
+            wanting = [t for t in wanting if any(need[s.id] > given[s.id] for s in tenants[t])]
+    return [(seq, given[seq.id]) for seq in prefilling if given[seq.id] > 0]

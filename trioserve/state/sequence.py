@@ -48,6 +48,8 @@ class Sequence:
     # "mean", the fixed-point sums pooled so far and how many rows they hold.
     pooling: str | None = None
     adapter: str | None = None  # the LoRA adapter's key (types.GenerateRequest.adapter); its KV is its own
+    cache_salt: str | None = None  # its prefix-cache salt (types.GenerateRequest.cache_salt)
+    tenant: str | None = None  # whose request it is (types.GenerateRequest.tenant): the prefill budget is shared between tenants
     pool_sums: list[int] | None = None
     pooled_rows: int = 0
     # A scored prompt (SamplingParams.prompt_logprobs): its tokens' scores
