@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.http.test_drain import free_port, serve_command
 from trioserve import cli
 from trioserve.state.durable import FILE_NAME, SCHEMA_VERSION, StateDB, StateError
-from trioserve.state.session_store import SessionStore, Turn
+from trioserve.state.session_store import SessionNotFound, SessionStore, Turn
 
 TIMEOUT = 120
 USER = [{"role": "user", "content": "Tell me a story"}]
@@ -316,3 +316,48 @@ async def test_a_state_file_that_fails_a_commit_leaves_the_turn_uncommitted(tiny
             status, chunks = await call(app, "POST", "/v1/sessions", {})
             assert status == 503 and json.loads(b"".join(chunks))["error"]["code"] == "state_unavailable"
             assert len(store) == 1
+
+
+_SCHEMA_1 = """
+CREATE TABLE sessions (id TEXT PRIMARY KEY, created REAL NOT NULL, system TEXT, defaults TEXT NOT NULL, seed INTEGER, model TEXT,
+    draw_index INTEGER NOT NULL, turns INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    record TEXT, kind TEXT NOT NULL, used REAL NOT NULL);
+CREATE TABLE messages (session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE, position INTEGER NOT NULL,
+    body TEXT NOT NULL, PRIMARY KEY (session_id, position));
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_schema_1_file_is_migrated_keeping_every_row(tmp_path):
+    """Version 1 (before tenants) wrote stored responses with kind
+    'session': the migration tells them apart by their record and gives
+    every row to the one tenant there was."""
+    path = tmp_path / FILE_NAME
+    old = sqlite3.connect(path)
+    old.executescript(_SCHEMA_1)
+    old.execute("INSERT INTO sessions VALUES ('sess-1', 1.0, 'Be brief.', '{}', 5, 'tiny', 2, 1, 3, 2, NULL, 'session', 9.0)")
+    old.execute("INSERT INTO sessions VALUES ('resp_1', 2.0, NULL, '{}', NULL, 'tiny', 0, 0, 0, 0, '{\"id\": \"resp_1\"}', 'session', 8.0)")
+    old.execute("INSERT INTO messages VALUES ('sess-1', 0, '{\"role\": \"user\", \"content\": \"hi\"}')")
+    old.commit()
+    old.close()
+    db = StateDB(path)
+    rows = {row["id"]: row for row in db.load()}
+    assert rows["sess-1"]["kind"] == "session" and rows["resp_1"]["kind"] == "response"
+    assert rows["sess-1"]["owner"] == rows["resp_1"]["owner"] == ""
+    assert rows["sess-1"]["messages"] == [{"role": "user", "content": "hi"}] and rows["sess-1"]["seed"] == 5
+    sessions, responses = SessionStore(), SessionStore(kind="response")
+    assert sessions.restore(db.load(), 0.0) == 1 and responses.restore(db.load(), 0.0) == 1
+    db.close()
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_owners_are_kept(tmp_path):
+    db = StateDB(tmp_path / FILE_NAME)
+    store = SessionStore(journal=db)
+    made = store.create(0.0, owner="alice")
+    again = SessionStore()
+    again.restore(StateDB(tmp_path / FILE_NAME).load(), 0.0)
+    assert again.get(made.id, 0.0, owner="alice").owner == "alice"
+    with pytest.raises(SessionNotFound):
+        again.get(made.id, 0.0, owner="bob")
+    db.close()

@@ -145,3 +145,25 @@ def test_a_database_that_cannot_be_reached_is_one_line():
     text = str(caught.value)
     assert text.startswith("postgresql://someone@127.0.0.1:1/state: cannot reach or use the database"), text
     assert "secret" not in text and "\n" not in text
+
+
+def test_a_schema_1_database_is_migrated(postgres):
+    with psycopg.connect(postgres.url, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA trioserve")
+        conn.execute(
+            "CREATE TABLE trioserve.sessions (id TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, system TEXT, defaults TEXT NOT NULL,"
+            " seed BIGINT, model TEXT, draw_index BIGINT NOT NULL, turns BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL,"
+            " completion_tokens BIGINT NOT NULL, record TEXT, kind TEXT NOT NULL, used DOUBLE PRECISION NOT NULL)"
+        )
+        conn.execute("CREATE TABLE trioserve.messages (session_id TEXT NOT NULL, position BIGINT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (session_id, position))")
+        conn.execute("CREATE TABLE trioserve.meta (version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO trioserve.meta VALUES (1)")
+        conn.execute("INSERT INTO trioserve.sessions VALUES ('resp_1', 1, NULL, '{}', NULL, 'tiny', 0, 0, 0, 0, '{}', 'session', 2)")
+    db = PostgresStateDB(postgres.url)
+    try:
+        row = db.fetch("resp_1")
+        assert row["kind"] == "response" and row["owner"] == ""
+    finally:
+        db.close()
+    with psycopg.connect(postgres.url) as conn:
+        assert conn.execute("SELECT version FROM trioserve.meta").fetchone()[0] == SCHEMA_VERSION

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trioserve.state.session_store import SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn
+from trioserve.state.session_store import Quota, QuotaExceeded, SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn
 
 
 def reply(text: str, draw_end: int = 0) -> Turn:
@@ -108,3 +108,49 @@ def test_a_settled_turn_can_never_settle_a_later_one():
     with pytest.raises(StaleTurn):
         store.commit(b, reply("twice"), 5.0)  # and it commits only once
     assert s.turns == 1 and store.stats()["turns_cancelled"] == 1
+
+
+# -- tenants: owners and their quotas
+
+
+def test_another_owners_session_is_not_found_as_an_unknown_one_is():
+    store = SessionStore()
+    mine = store.create(0.0, owner="alice")
+    for call in (lambda: store.get(mine.id, 1.0, owner="bob"), lambda: store.begin(mine.id, 1.0, owner="bob"), lambda: store.delete(mine.id, 1.0, owner="bob")):
+        with pytest.raises(SessionNotFound) as theirs:
+            call()
+        with pytest.raises(SessionNotFound) as unknown:
+            store.get("sess-unknown", 1.0, owner="bob")
+        assert str(theirs.value).replace(mine.id, "X") == str(unknown.value).replace("sess-unknown", "X")
+    assert store.get(mine.id, 1.0, owner="alice") is mine and store.get(mine.id, 1.0) is mine  # no owner given: the server's own look-ups
+
+
+def test_owners_make_room_from_their_own_idle_sessions_only():
+    store = SessionStore(max_sessions=4, quota=lambda owner: Quota(2, None))
+    hers = [store.create(float(i), owner="alice").id for i in range(2)]
+    his = [store.create(10.0 + i, owner="bob").id for i in range(5)]
+    assert all(store.get(s, 20.0, owner="alice") for s in hers)
+    assert [s for s in his if s in store._sessions] == his[-2:]
+    assert store.owned("alice") == (2, 0) and store.owned("bob") == (2, 0) and store.evicted == 3
+
+
+def test_a_full_owner_with_nothing_idle_is_refused_not_let_over():
+    store = SessionStore(max_sessions=10, quota=lambda owner: Quota(2, None))
+    leases = [store.begin(store.create(0.0, owner="alice").id, 0.0, owner="alice") for _ in range(2)]
+    with pytest.raises(QuotaExceeded, match="2 sessions are kept for this API key"):
+        store.create(1.0, owner="alice")
+    store.create(1.0, owner="bob")  # others are not held back
+    store.cancel(leases[0], 2.0)  # one of hers is idle again: it makes room
+    store.create(3.0, owner="alice")
+    assert store.owned("alice")[0] == 2
+
+
+def test_history_bytes_are_counted_per_owner():
+    store = SessionStore(max_history_bytes=1000, quota=lambda owner: Quota(100, 300))
+    old = store.create(0.0, owner="alice")
+    store.commit(store.begin(old.id, 0.0), Turn(({"role": "user", "content": "x" * 200},), 1, 1, 1, 1), 0.0)
+    store.create(1.0, owner="bob", messages=[{"role": "user", "content": "y" * 250}])
+    new = store.create(2.0, owner="alice")
+    store.commit(store.begin(new.id, 2.0), Turn(({"role": "user", "content": "z" * 150},), 1, 1, 1, 1), 2.0)
+    # Alice went over her 300 bytes: her older session went, not Bob's.
+    assert old.id not in store._sessions and store.owned("alice") == (1, 150) and store.owned("bob") == (1, 250)

@@ -294,13 +294,13 @@ class SessionActors:
         self.pull_timeout_s = pull_timeout_s
         self.closed = False
 
-    def begin(self, session_id: str, now: float, engine: Engine) -> TurnLine:
+    def begin(self, session_id: str, now: float, engine: Engine, *, owner: str | None = None) -> TurnLine:
         """Pin ``session_id`` for a turn on ``engine`` (its model's) and
         start its actor; the handler's line to it. Raises SessionNotFound, SessionBusy (at once, never
         queued), or EngineClosed once the app is stopping."""
         if self.closed:
             raise EngineClosed("the server is shutting down")
-        lease = self.store.begin(session_id, now)
+        lease = self.store.begin(session_id, now, owner=owner)
         send, inbox = trio.open_memory_channel[SessionMessage](1)
         replies_send, replies = trio.open_memory_channel[TurnOutput](1)
         line = TurnLine(send, replies)

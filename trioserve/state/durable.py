@@ -28,7 +28,7 @@ from typing import Any
 
 from trioserve.errors import TrioserveError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: sessions.owner (the tenant a session or stored response belongs to)
 FILE_NAME = "state.sqlite3"
 BUSY_TIMEOUT_MS = 2000
 
@@ -46,7 +46,8 @@ CREATE TABLE sessions (
     completion_tokens INTEGER NOT NULL,
     record TEXT,
     kind TEXT NOT NULL,
-    used REAL NOT NULL
+    used REAL NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE messages (
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
@@ -55,6 +56,16 @@ CREATE TABLE messages (
     PRIMARY KEY (session_id, position)
 );
 """
+
+
+# What brings a store of each older schema version to the next one, the
+# same statements on SQLite and PostgreSQL.
+MIGRATIONS = {
+    1: [
+        "ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''",  # before tenants, everything was the one tenant's
+        "UPDATE sessions SET kind = 'response' WHERE record IS NOT NULL",  # version 1 wrote stored responses (which alone have a record) as kind 'session'
+    ],
+}
 
 
 class StateError(TrioserveError):
@@ -113,8 +124,8 @@ class Rows:
         out = []
         for row in rows:
             data = dict(zip(names, row, strict=True))
-            data["defaults"] = json.loads(data["defaults"])
-            data["record"] = json.loads(data["record"]) if data["record"] is not None else None
+            data["settings_text"] = data.pop("defaults")  # compact JSON text, as a Session keeps it
+            data["record_text"] = data.pop("record")
             data["messages"] = messages.get(data["id"], [])
             out.append(data)
         return out
@@ -125,10 +136,10 @@ class Rows:
         with its messages; StateConflict when its id is taken."""
         self._write([
             (
-                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (session.id, session.created, session.system, json.dumps(session.defaults), session.seed, session.model,
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session.id, session.created, session.system, session.settings_text, session.seed, session.model,
                  session.draw_index, session.turns, session.prompt_tokens, session.completion_tokens,
-                 json.dumps(session.record) if session.record is not None else None, kind, used_wall),
+                 session.record_text, kind, used_wall, session.owner),
                 None,
             ),
             *_inserts(session.id, 0, session.messages),
@@ -182,7 +193,7 @@ class StateDB(Rows):
 
     def _migrate(self, version: int) -> None:
         """Bring the schema to SCHEMA_VERSION in one transaction (a new file
-        gets the whole schema; there is no older one yet)."""
+        gets the whole schema, an older one its MIGRATIONS in order)."""
         if version == SCHEMA_VERSION:
             # Proves the file can be written (read-only, locked: an error
             # now, not at the first commit): a read-only file still opens
@@ -196,6 +207,10 @@ class StateDB(Rows):
             if version == 0:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
+                        self._db.execute(statement)
+            else:
+                for step in range(version, SCHEMA_VERSION):
+                    for statement in MIGRATIONS[step]:
                         self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")

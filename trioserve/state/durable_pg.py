@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import psycopg
 
-from trioserve.state.durable import SCHEMA_VERSION, Rows, StateConflict, StateError, newer_schema
+from trioserve.state.durable import MIGRATIONS, SCHEMA_VERSION, Rows, StateConflict, StateError, newer_schema
 
 CONNECT_TIMEOUT_S = 5
 STATEMENT_TIMEOUT_MS = 10_000
@@ -50,7 +50,8 @@ CREATE TABLE sessions (
     completion_tokens BIGINT NOT NULL,
     record TEXT,
     kind TEXT NOT NULL,
-    used DOUBLE PRECISION NOT NULL
+    used DOUBLE PRECISION NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE messages (
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
@@ -122,7 +123,10 @@ class PostgresStateDB(Rows):
             if version > SCHEMA_VERSION:
                 raise StateError(newer_schema(self.name, version))
             if version < SCHEMA_VERSION:
-                conn.execute("UPDATE meta SET version = %s", (SCHEMA_VERSION,))  # no older schema has been released yet
+                for step in range(version, SCHEMA_VERSION):
+                    for statement in MIGRATIONS[step]:
+                        conn.execute(statement)
+                conn.execute("UPDATE meta SET version = %s", (SCHEMA_VERSION,))
 
     def close(self) -> None:
         with self._lock:

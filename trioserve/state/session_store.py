@@ -23,6 +23,7 @@ write runs in a thread before the commit shows anywhere."""
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -31,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from trioserve.errors import TrioserveError
+from trioserve.errors import RequestError, TrioserveError
 
 
 class SessionNotFound(TrioserveError):
@@ -40,6 +41,21 @@ class SessionNotFound(TrioserveError):
 
 class SessionBusy(TrioserveError):
     """A turn is already running on this session (HTTP 409)."""
+
+
+class QuotaExceeded(TrioserveError):
+    """The tenant keeps as many sessions (or stored responses) as it may,
+    and none of its own is idle to make room (HTTP 429)."""
+
+    retry_after = 5.0
+
+
+@attrs.frozen
+class Quota:
+    """What one tenant may keep in a store: sessions, and history bytes (None: no limit)."""
+
+    sessions: int
+    history_bytes: int | None
 
 
 class StaleTurn(TrioserveError):
@@ -53,7 +69,10 @@ class Session:
     id: str
     created: float
     system: str | None
-    defaults: dict[str, Any]  # sampling settings every turn starts from
+    # Sampling settings every turn starts from (tools and schemas among
+    # them), kept as compact JSON text: a parsed tree of a large body holds
+    # many times its size in Python objects. `defaults` reads it.
+    settings_text: str = attrs.field(converter=lambda value: value if isinstance(value, str) else compact_json(value or {}))
     seed: int | None  # None: a random seed is chosen at the first sampled turn
     messages: list[dict[str, Any]] = attrs.field(factory=list)  # committed history, system message excluded
     draw_index: int = 0
@@ -65,9 +84,19 @@ class Session:
     leases: int = 0  # leases handed out so far: the next one's number
     # What a stored response keeps besides its conversation: its body, as
     # GET /v1/responses/{id} returns it (trioserve/http/responses.py).
-    record: dict[str, Any] | None = None
+    record_text: str | None = attrs.field(default=None, converter=lambda value: value if value is None or isinstance(value, str) else compact_json(value))
     model: str | None = None  # the model whose engine runs its turns (and keeps their KV)
     size: int = 0  # history_bytes(), kept up to date by the store (summing it again at every change grew with the history)
+    owner: str = ""  # the tenant it belongs to ("" without API keys: the one tenant)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return json.loads(self.settings_text)
+
+    @property
+    def record(self) -> dict[str, Any] | None:
+        """A stored response's body, as GET /v1/responses/{id} returns it."""
+        return None if self.record_text is None else json.loads(self.record_text)
 
     @property
     def busy(self) -> bool:
@@ -84,6 +113,11 @@ class Session:
         text, plus the JSON of any tool calls (and a stored response's record
         as JSON)."""
         return self.size
+
+
+def compact_json(value: Any) -> str:
+    """``value`` as the JSON text a session keeps: no spaces, Unicode as is."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _message_bytes(message: Mapping[str, Any]) -> int:
@@ -131,18 +165,29 @@ class Turn:
 def _from_row(row: Mapping[str, Any], now: float) -> Session:
     """A session as the journal keeps it (`StateDB.load`'s rows)."""
     session = Session(
-        row["id"], row["created"], row["system"], row["defaults"], row["seed"], messages=list(row["messages"]),
+        row["id"], row["created"], row["system"], row["settings_text"], row["seed"], messages=list(row["messages"]),
         draw_index=row["draw_index"], turns=row["turns"], prompt_tokens=row["prompt_tokens"],
-        completion_tokens=row["completion_tokens"], last_used=now, record=row["record"], model=row["model"],
+        completion_tokens=row["completion_tokens"], last_used=now, record_text=row["record_text"], model=row["model"],
+        owner=row.get("owner") or "",
     )  # fmt: skip
     return _sized(session)
 
 
+def _largest_field(session: Session) -> str:
+    """The request field that makes most of what ``session`` keeps."""
+    parts = {"messages": sum(map(_message_bytes, session.messages))}
+    for text in (session.settings_text, session.record_text):
+        for key, value in (json.loads(text) if text else {}).items():
+            parts[key] = parts.get(key, 0) + len(compact_json(value))
+    return max(parts, key=parts.__getitem__)
+
+
 def _sized(session: Session) -> Session:
-    """``session`` with its size counted (history text and record)."""
-    session.size = sum(map(_message_bytes, session.messages))
-    if session.record is not None:
-        session.size += len(json.dumps(session.record, ensure_ascii=False).encode())
+    """``session`` with its size counted: history text, settings and record,
+    as the bytes of the text kept."""
+    session.size = sum(map(_message_bytes, session.messages)) + len(session.settings_text.encode())
+    if session.record_text is not None:
+        session.size += len(session.record_text.encode())
     return session
 
 
@@ -156,11 +201,16 @@ class SessionStore:
         on_remove: Callable[[str], None] | None = None,
         journal=None,
         kind: str = "session",
+        quota: Callable[[str], Quota] | None = None,
     ) -> None:
         """``on_remove(session_id)`` is told of every session that goes
         (deleted or evicted), so what is kept for it elsewhere can go too.
         ``journal``: a StateDB every change is written to (its rows of
-        ``kind``: "session" or "response")."""
+        ``kind``: "session" or "response"). ``quota(owner)``: what each
+        tenant may keep (default: the whole store's limits, as for the one
+        tenant there is without keys). A tenant over its quota, or over the
+        store's limits, makes room from its own idle sessions only: one
+        tenant never evicts another's."""
         self.on_remove = on_remove
         self.journal = journal
         self.kind = kind
@@ -169,6 +219,8 @@ class SessionStore:
         self.max_history_bytes = max_history_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._bytes = 0  # the sum of every kept session's history_bytes()
+        self._owned: dict[str, list[int]] = {}  # owner -> [sessions, history bytes]
+        self.quota = quota or (lambda owner: Quota(self.max_sessions, self.max_history_bytes))
         self.evicted = 0
         self.committed = 0
         self.cancelled = 0
@@ -195,19 +247,41 @@ class SessionStore:
         messages: Sequence[Mapping[str, Any]] = (),
         record: dict[str, Any] | None = None,
         model: str | None = None,
+        owner: str = "",
     ) -> Session:
         """A new session, not yet written nor kept. ``now`` is the store's
         clock (for idleness); ``created`` the wall time shown to clients
         (default ``now``). A stored response brings its own id, its whole
-        conversation as ``messages`` and its ``record``."""
+        conversation as ``messages`` and its ``record``. QuotaExceeded when
+        ``owner`` keeps all it may and nothing of its own is idle."""
         self.expire(now)
         session = Session(
             session_id or f"sess-{secrets.token_hex(12)}", now if created is None else created, system, dict(defaults or {}), seed,
-            messages=[dict(m) for m in messages], last_used=now, record=record, model=model,
+            messages=[dict(m) for m in messages], last_used=now, record_text=record, model=model, owner=owner,
         )  # fmt: skip
         if session.id in self._sessions:
             raise ValueError(f"a session {session.id!r} exists already")
-        return _sized(session)
+        self.check_room(owner)
+        _sized(session)
+        self.check_keepable(owner, session.size, lambda: _largest_field(session))
+        return session
+
+    def check_keepable(self, owner: str, size: int, field: Callable[[], str]) -> None:
+        """RequestError naming ``field()`` when one session of ``size`` bytes
+        is more than ``owner`` may keep in all."""
+        allowed = min(x for x in (self.quota(owner).history_bytes, self.max_history_bytes, math.inf) if x is not None)
+        if size > allowed:
+            name = field()
+            what = "session" if self.kind == "session" else "stored response"
+            raise RequestError(f"{name}: this {what} would keep {size} bytes, more than the {allowed} this API key may keep in all; send less", field=name)
+
+    def check_room(self, owner: str) -> None:
+        """QuotaExceeded when ``owner`` keeps as many as it may and none of
+        its own is idle, to go for a new one."""
+        count = self._owned.get(owner, (0, 0))[0]
+        if count >= min(self.quota(owner).sessions, self.max_sessions) and not any(self._idle_of(owner)):
+            what = "sessions" if self.kind == "session" else "stored responses"
+            raise QuotaExceeded(f"{count} {what} are kept for this API key, as many as it may keep, and each is in use; retry when one ends")
 
     def write_create(self, session: Session) -> None:
         """The new session, durably on disk (blocking: may run in a thread);
@@ -220,7 +294,7 @@ class SessionStore:
         if session.id in self._sessions:
             raise ValueError(f"a session {session.id!r} exists already")
         self._keep(session)
-        self._enforce_count()
+        self._enforce_count(session.owner)
         return session
 
     @property
@@ -238,7 +312,8 @@ class SessionStore:
                 continue
             self._keep(_from_row(row, now))
             count += 1
-        self._enforce_count()
+        for owner in list(self._owned):
+            self._enforce_count(owner)
         return count
 
     def refresh(self, session_id: str, row: dict[str, Any] | None, now: float) -> None:
@@ -258,35 +333,55 @@ class SessionStore:
             if local.turns == row["turns"]:
                 return
             self._remove(session_id, durable=False)
-        self._keep(_from_row(row, now))
-        self._enforce_count()
+        kept = _from_row(row, now)
+        self._keep(kept)
+        self._enforce_count(kept.owner)
 
     def _keep(self, session: Session) -> None:
         self._bytes += session.size
         self._sessions[session.id] = session
+        owned = self._owned.setdefault(session.owner, [0, 0])
+        owned[0] += 1
+        owned[1] += session.size
 
-    def get(self, session_id: str, now: float, *, use: bool = False) -> Session:
+    def _grow(self, session: Session, added: int) -> None:
+        session.size += added
+        self._bytes += added
+        self._owned[session.owner][1] += added
+
+    def _idle_of(self, owner: str):
+        """``owner``'s idle sessions, least recently used first."""
+        return (sid for sid, session in self._sessions.items() if session.owner == owner and not session.busy)
+
+    def owned(self, owner: str) -> tuple[int, int]:
+        """(sessions, history bytes) ``owner`` keeps here."""
+        count, size = self._owned.get(owner, (0, 0))
+        return count, size
+
+    def get(self, session_id: str, now: float, *, use: bool = False, owner: str | None = None) -> Session:
         """The session; with ``use`` it counts as used now (a stored
-        response read or continued), for idleness and eviction order."""
+        response read or continued), for idleness and eviction order. With
+        ``owner``, another tenant's session is not found, exactly as an
+        unknown one is."""
         self.expire(now)
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or (owner is not None and session.owner != owner):
             raise SessionNotFound(f"no session {session_id!r} (unknown, deleted, or evicted after being idle)")
         if use:
             self._touch(session, now)
         return session
 
-    def delete(self, session_id: str, now: float) -> None:
+    def delete(self, session_id: str, now: float, *, owner: str | None = None) -> None:
         """Delete it (on disk first, with a journal): `check_delete`,
         `write_delete` and `forget`, which a caller on an event loop runs
         apart, the write in a thread."""
-        self.check_delete(session_id, now)
+        self.check_delete(session_id, now, owner=owner)
         self.write_delete(session_id)
         self.forget(session_id)
 
-    def check_delete(self, session_id: str, now: float) -> None:
+    def check_delete(self, session_id: str, now: float, *, owner: str | None = None) -> None:
         """SessionNotFound, or SessionBusy while a turn runs."""
-        if self.get(session_id, now).busy:
+        if self.get(session_id, now, owner=owner).busy:
             raise SessionBusy(f"session {session_id!r} has a turn running; delete it after the turn ends")
 
     def write_delete(self, session_id: str) -> None:
@@ -299,9 +394,9 @@ class SessionStore:
         if session_id in self._sessions:
             self._remove(session_id, durable=False)
 
-    def begin(self, session_id: str, now: float) -> TurnLease:
+    def begin(self, session_id: str, now: float, *, owner: str | None = None) -> TurnLease:
         """Pin the session for a turn; the lease is that turn's identity."""
-        session = self.get(session_id, now)
+        session = self.get(session_id, now, owner=owner)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} already has a turn running")
         session.leases += 1
@@ -341,9 +436,7 @@ class SessionStore:
         if not lease.current:
             raise StaleTurn(f"session {session.id!r}: turn {lease.number} already ended; it cannot commit")
         session.messages.extend(dict(m) for m in turn.messages)
-        added = sum(map(_message_bytes, turn.messages))
-        session.size += added
-        self._bytes += added
+        self._grow(session, sum(map(_message_bytes, turn.messages)))
         session.seed = turn.seed
         session.draw_index = turn.draw_end
         session.turns += 1
@@ -352,7 +445,7 @@ class SessionStore:
         session.turn_number = None
         self.committed += 1
         self._touch(session, now)
-        self._enforce_count()
+        self._enforce_count(session.owner)
 
     def cancel(self, lease: TurnLease, now: float) -> bool:
         """The leased turn ended without a final response: nothing changes.
@@ -382,7 +475,13 @@ class SessionStore:
         """Forget the session; ``durable``: delete its rows too."""
         if durable and self.journal is not None:
             self.journal.delete(session_id)
-        self._bytes -= self._sessions.pop(session_id).size
+        session = self._sessions.pop(session_id)
+        self._bytes -= session.size
+        owned = self._owned[session.owner]
+        owned[0] -= 1
+        owned[1] -= session.size
+        if owned[0] == 0:
+            del self._owned[session.owner]
         if self.on_remove is not None:
             self.on_remove(session_id)
 
@@ -390,17 +489,23 @@ class SessionStore:
         session.last_used = now
         self._sessions.move_to_end(session.id)
 
-    def _enforce_count(self) -> None:
-        """Evict idle sessions, least recently used first, while over the
-        count or history-bytes limit."""
-        for sid in list(self._sessions):
-            over_count = len(self._sessions) > self.max_sessions
-            over_bytes = self.max_history_bytes is not None and self._bytes > self.max_history_bytes
-            if not (over_count or over_bytes):
+    def _enforce_count(self, owner: str) -> None:
+        """Evict ``owner``'s idle sessions, least recently used first, while
+        it is over its quota or the store over its count or history-bytes
+        limit: never another owner's (with one owner, as without API keys,
+        that is every idle session)."""
+        quota = self.quota(owner)
+        for sid in list(self._idle_of(owner)):
+            count, size = self._owned.get(owner, (0, 0))
+            over = (
+                count > quota.sessions or len(self._sessions) > self.max_sessions
+                or (quota.history_bytes is not None and size > quota.history_bytes)
+                or (self.max_history_bytes is not None and self._bytes > self.max_history_bytes)
+            )  # fmt: skip
+            if not over:
                 return
-            if not self._sessions[sid].busy:
-                self._remove(sid, durable=not self.shared)
-                self.evicted += 1
+            self._remove(sid, durable=not self.shared)
+            self.evicted += 1
 
     def stats(self) -> dict[str, int]:
         return {
