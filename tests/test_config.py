@@ -45,7 +45,7 @@ def test_settings_from_env_reads_every_kind_of_value():
         }
     )
     assert (s.engine.model, s.engine.max_num_seqs, s.engine.kv_cache_bytes) == ("/models/x.gguf", 4, 64 << 20)
-    assert (s.api_key, s.drain_timeout_s) == ("k", 2.5)
+    assert (s.api_key, s.drain_timeout_s) == (("k",), 2.5)  # the one key there is: a tuple, as --api-key may be given several times
     assert settings_from_env({}) == settings_from_env({"UNRELATED": "1"})
 
 

@@ -44,6 +44,8 @@ SAMPLES = {
 def _sample(opt: Option) -> tuple[str, object]:
     if opt.field == "loras":  # NAME=PATH pairs, no variable
         return "tuned=/adapters/tuned", (("tuned", "/adapters/tuned"),)
+    if opt.field == "api_key":  # repeatable: each key a tenant
+        return "elsewhere", ("elsewhere",)
     if opt.choices:
         other = next(c for c in opt.choices if c != opt.default)
         return other, other

@@ -226,10 +226,12 @@ async def _run_generation(config: EngineConfig, checkpoint, request, params, loa
 def _serve(args: argparse.Namespace) -> int:
     from trioserve.http.serve import run_server
 
+    from trioserve.http.tenants import Tenants
     from trioserve.state.durable import open_store
 
     _set_threads(args.threads)
     settings = serve_settings(args, dict(os.environ))
+    Tenants(settings.api_key, settings.api_keys_file)  # so does an API keys file that cannot be used (TenantsError)
     store = open_store(settings.state_dir, settings.state_url, os.environ)  # a store that cannot be used stops here, as one line (StateError)
     if store is not None:
         store.close()

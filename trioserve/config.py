@@ -156,6 +156,8 @@ class ServerSettings:
     served_model_name: the model id clients send and see (default: the
     checkpoint's name). api_key: when set, every /v1 route needs
     `Authorization: Bearer <key>`. max_body_bytes: larger bodies get 413.
+    max_request_tokens: the most prompt tokens one request brings, all its
+    prompts (times n) or inputs counted together; more is a 400.
     drain_timeout_s: on SIGINT/SIGTERM, how long in-flight requests may run.
     write_timeout_s: a response write that does not complete in this time
     (a client that stopped reading) closes the connection, which cancels
@@ -183,8 +185,16 @@ class ServerSettings:
     host: str = _setting("host")
     port: int = _setting("port")
     served_model_name: str | None = _setting("served_model_name")
-    api_key: str | None = _setting("api_key")
+    api_key: tuple[str, ...] = _setting("api_key", converter=lambda keys: (keys,) if isinstance(keys, str) else tuple(keys or ()))
+    api_keys_file: str | None = _setting("api_keys_file")
+    tenant_max_sessions: int | None = _setting("tenant_max_sessions", _positive)
+    tenant_history_bytes: int | None = _setting("tenant_history_bytes", _positive)
+    tenant_max_in_flight: int | None = _setting("tenant_max_in_flight", _positive)
+    prefix_cache_scope: str = _setting("prefix_cache_scope")
+    metrics_public: bool = _setting("metrics_public")
+    cors_origins: str | None = _setting("cors_origins")
     max_body_bytes: int = _setting("max_body_bytes", _positive)
+    max_request_tokens: int = _setting("max_request_tokens", _positive)
     drain_timeout_s: float = _setting("drain_timeout_s", _seconds)
     write_timeout_s: float = _setting("write_timeout_s", _seconds)
     keep_alive_timeout_s: float = _setting("keep_alive_timeout_s", _seconds)

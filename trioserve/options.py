@@ -39,6 +39,7 @@ EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.type
 REASONING_PARSERS = ("auto", "on", "off")
 RERANK_METHODS = ("embedding", "yes-no")  # the first is the default (http/rerank.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PREFIX_CACHE_SCOPES = ("auto", "tenant", "global")
 
 
 # -- parsing values ---------------------------------------------------------------
@@ -317,7 +318,31 @@ OPTIONS: tuple[Option, ...] = (
     _o("--session-idle", "session_idle_s", SECONDS, 3600.0, "seconds an idle session is kept", "TRIOSERVE_SESSION_IDLE"),
     _o("--session-history-bytes", "session_history_bytes", BYTES, 64 * MIB,
        "total history text kept by all sessions; beyond it idle ones go", "TRIOSERVE_SESSION_HISTORY_BYTES"),
-    _o("--api-key", "api_key", TEXT, None, "require `Authorization: Bearer KEY` on `/v1` routes", "TRIOSERVE_API_KEY"),
+    _o("--api-key", "api_key", TEXT, (),
+       "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on `/v1` routes and the metrics; may be given several "
+       "times, each key a tenant of its own (docs/security.md)", "TRIOSERVE_API_KEY", repeatable=True, shown_default="none"),
+    _o("--api-keys-file", "api_keys_file", TEXT, None,
+       "API keys and their tenants, one `tenant: key` a line (a tenant may have several), read again on SIGHUP "
+       "(docs/security.md)", "TRIOSERVE_API_KEYS_FILE", metavar="FILE", shown_default="none"),
+    _o("--tenant-max-sessions", "tenant_max_sessions", POSITIVE_INT, None,
+       "sessions, and stored responses, each tenant may keep; beyond it its own idle ones go (or, with none idle, a "
+       "429)", "TRIOSERVE_TENANT_MAX_SESSIONS", shown_default="an even share of --max-sessions"),
+    _o("--tenant-history-bytes", "tenant_history_bytes", BYTES, None,
+       "history and stored-response bytes each tenant may keep; beyond it its own idle ones go",
+       "TRIOSERVE_TENANT_HISTORY_BYTES", shown_default="an even share of --session-history-bytes"),
+    _o("--tenant-max-in-flight", "tenant_max_in_flight", POSITIVE_INT, None,
+       "requests one tenant may have running at once; more are refused with 429 and `Retry-After`",
+       "TRIOSERVE_TENANT_MAX_IN_FLIGHT", shown_default="no limit"),
+    _o("--prefix-cache-scope", "prefix_cache_scope", TEXT, "auto",
+       "who shares prefix-cache blocks: `tenant` salts the cache's hashes with the API key's tenant, so one tenant "
+       "never hits, times or counts another's; `global` shares them between all; `auto` is `tenant` when API keys are "
+       "set (docs/security.md)", "TRIOSERVE_PREFIX_CACHE_SCOPE", choices=PREFIX_CACHE_SCOPES),
+    _o("--metrics-public", "metrics_public", SWITCH, False,
+       "serve `/metrics` and `/metrics/prometheus` without an API key even when keys are set",
+       "TRIOSERVE_METRICS_PUBLIC"),
+    _o("--cors-origins", "cors_origins", TEXT, None,
+       "web origins (comma-separated, or `*`) whose pages may call the API from a browser; none: no CORS headers, so "
+       "only same-origin pages (the chat page at `/`) can", "TRIOSERVE_CORS_ORIGINS", shown_default="none"),
     _o("--admin-api-key", "admin_api_key", TEXT, None,
        "turns on the `/admin/models` routes (load and unload models at run time), which then need "
        "`Authorization: Bearer KEY`; without it they are off (docs/models.md)", "TRIOSERVE_ADMIN_API_KEY", shown_default="none (off)"),
@@ -326,6 +351,13 @@ OPTIONS: tuple[Option, ...] = (
        "(`--kv-cache-bytes`); a load that would pass it is refused with the numbers (docs/models.md)",
        "TRIOSERVE_MEMORY_BUDGET", shown_default="none"),
     _o("--max-body-bytes", "max_body_bytes", BYTES, 4 * MIB, "larger request bodies get 413", "TRIOSERVE_MAX_BODY_BYTES"),
+    _o("--max-request-tokens", "max_request_tokens", POSITIVE_INT, 131072,
+       "most prompt tokens one request may bring, counted together once tokenized: every prompt of `/v1/completions`, "
+       "or the rendered prompt of a chat, messages, responses or session turn, times `n`; all inputs of "
+       "`/v1/embeddings`; the query and documents of `/v1/rerank` and `/v1/score` as they are scored. More is a 400 "
+       "naming the field, with the count, before the engine sees any of it. The default is 16 contexts of the default "
+       "model (8192 tokens each): a full-context chat prompt with `n` 16, the most `n` may be, still fits. Lower it to "
+       "bound the prefill one request can ask of a slow CPU (docs/security.md)", "TRIOSERVE_MAX_REQUEST_TOKENS"),
     _o("--drain-timeout", "drain_timeout_s", SECONDS, 30.0, "seconds in-flight requests get after SIGINT/SIGTERM", "TRIOSERVE_DRAIN_TIMEOUT"),
     _o("--write-timeout", "write_timeout_s", SECONDS, 30.0,
        "seconds one response write may stall (a client that stopped reading) before the connection is closed and its "

@@ -414,7 +414,7 @@ async def test_the_api_key_may_come_as_x_api_key(nursery, tiny_gguf):
     every /v1 route); a wrong one is a 401 authentication_error, which the
     SDK raises as AuthenticationError; an oversized body a 413
     request_too_large; the CORS preflight allows the header."""
-    url = await start_server(nursery, make_settings(tiny_gguf, api_key=KEY, max_body_bytes=4096))
+    url = await start_server(nursery, attrs.evolve(make_settings(tiny_gguf, api_key=KEY, max_body_bytes=4096), cors_origins="https://a.example"))
     ask = {"model": MODEL_NAME, "max_tokens": 2, "messages": ASK}
     with trio.fail_after(60):
         made = await call(sdk(url, KEY).messages.create, **ask)

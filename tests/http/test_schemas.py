@@ -629,8 +629,6 @@ def test_valid_unicode_passes_the_surrogate_check() -> None:
 
 @pytest.mark.parametrize("with_raw", [False, True])
 def test_nesting_is_bounded(with_raw: bool) -> None:
-    import json
-
     from trioserve.http.structuring import MAX_JSON_DEPTH, check_json_body
 
     deep: object = {"a": "ok"}

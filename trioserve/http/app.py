@@ -15,10 +15,11 @@ engine step."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from trioserve.actors.session import open_session_actors
@@ -29,15 +30,16 @@ from trioserve.http.completions import add_completion_routes
 from trioserve.http.edge import ServerState
 from trioserve.http.embeddings import add_embedding_routes
 from trioserve.http.errors import HTTPError, error_response
-from trioserve.http.guard import api_key_matches, bearer_matches, form_content_type
-from trioserve.http.in_flight import InFlight
+from trioserve.http.guard import allowed_origins, cors_origin, form_content_type
+from trioserve.http.in_flight import InFlight, at_request_end
 from trioserve.http.lora import add_lora_routes
 from trioserve.http.messages import add_message_routes
 from trioserve.http.page import add_page_routes
-from trioserve.http.registry import load_startup_models, open_registry
+from trioserve.http.registry import fix_mmap_threshold, load_startup_models, open_registry
 from trioserve.http.rerank import add_rerank_routes
 from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
+from trioserve.http.tenants import Tenants, TenantsError, TooManyInFlight
 from trioserve.http.status import add_status_routes
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.state.durable import Rows, open_store
@@ -103,11 +105,29 @@ async def _serve_registry(state: ServerState, *, task_status=trio.TASK_STATUS_IG
                     state.turns = None
 
 
+async def _reload_keys_on_hangup(tenants: Tenants) -> None:
+    """Read --api-keys-file again at each SIGHUP; a file that cannot be
+    used leaves the keys as they were, and says why on stderr."""
+    try:
+        receiver = trio.open_signal_receiver(signal.SIGHUP)
+    except RuntimeError:  # not the main thread (an app embedded elsewhere): no signals here
+        return
+    with receiver as hangups:
+        async for _ in hangups:
+            try:
+                tenants.reload()
+            except TenantsError as exc:
+                print(f"trioserve: {exc}; the API keys stay as they were", file=sys.stderr, flush=True)
+            else:
+                print(f"trioserve: API keys read again from {tenants.keys_file} ({len(tenants.names)} tenants)", file=sys.stderr, flush=True)
+
+
 def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint | None = None) -> QuartTrio:
     """A new app. Without ``settings``, they come from TRIOSERVE_* variables,
     so `hypercorn -k trio 'trioserve.http.app:create_app()'` is configurable.
     A ``checkpoint`` already loaded is served instead of loading one."""
     settings = settings or settings_from_env(dict(os.environ))
+    fix_mmap_threshold()  # so an unloaded model's memory goes back to the system (registry.release_memory)
     app = QuartTrio("trioserve")
     # The write, read and keep-alive deadlines live in the transport
     # (trioserve/http/transport.py); this counts requests for the drain.
@@ -121,19 +141,33 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     @app.before_serving
     async def start_engine() -> None:
         await app.nursery.start(_serve_models, state)
+        if settings.api_keys_file is not None:
+            app.nursery.start_soon(_reload_keys_on_hangup, state.tenants)
 
     @app.after_serving
     async def stop_engine() -> None:
         state.engine_scope.cancel()
 
+    tenants = state.tenants
+    cors_origins = allowed_origins(settings.cors_origins)
+
     @app.before_request
     async def guard():
         if request.method == "OPTIONS":
             return None
-        if settings.api_key and request.path.startswith("/v1"):
+        path = request.path
+        if path.startswith("/v1") or (path.startswith("/metrics") and not settings.metrics_public):
             headers = request.headers
-            if not (bearer_matches(headers.get("Authorization", ""), settings.api_key) or api_key_matches(headers.get("X-Api-Key", ""), settings.api_key)):
+            tenant = tenants.identify(headers.get("Authorization", ""), headers.get("X-Api-Key", ""))
+            if tenant is None:
                 return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>')", kind="authentication_error", code="invalid_api_key"))
+            g.tenant = tenant
+            if path.startswith("/v1"):
+                try:
+                    tenants.enter(tenant)
+                except TooManyInFlight as exc:
+                    return error_response(HTTPError(429, str(exc), kind="rate_limit_error", code="tenant_busy", headers={"Retry-After": "1"}))
+                at_request_end(lambda: tenants.leave(tenant))
         if request.method == "POST":
             # A form-like type lets any web page post here cross-origin with no CORS preflight.
             refused = form_content_type(request.headers.get("Content-Type", ""))
@@ -143,10 +177,14 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
 
     @app.after_request
     async def cors(response: Response) -> Response:
-        response.headers["Access-Control-Allow-Origin"] = "*"
-        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Session-Id, X-Api-Key, Anthropic-Version"
-        response.headers["Access-Control-Expose-Headers"] = "X-Session-Id"
-        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+        origin = cors_origin(cors_origins, request.headers.get("Origin"))
+        if origin is not None:  # only for the origins --cors-origins lists
+            response.headers["Access-Control-Allow-Origin"] = origin
+            if origin != "*":
+                response.vary.add("Origin")
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Session-Id, X-Api-Key, Anthropic-Version"
+            response.headers["Access-Control-Expose-Headers"] = "X-Session-Id"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         if state.phase == "draining":
             # Send clients elsewhere rather than back on this connection: a
             # client reusing it from its pool would meet a bare disconnect

@@ -16,7 +16,7 @@ from quart import Response
 from trioserve.errors import RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
-from trioserve.http.edge import ServerState, check_n, default_max_tokens, output_parsing, read_body, sampling_params
+from trioserve.http.edge import ServerState, cache_salt, check_n, check_request_tokens, default_max_tokens, output_parsing, read_body, sampling_params, tenant
 from trioserve.http.errors import error_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.schemas import parse_chat_request, parse_completion_request
@@ -33,6 +33,7 @@ def add_completion_routes(app, state: ServerState) -> None:
             check_n(engine, req.n)
             messages = map(message_dict, req.messages)  # made in the thread that renders them
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, messages, req.tools, req.tool_choice)
+            check_request_tokens(state, "messages", [prompt_ids], req.n)
             params = sampling_params(req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"))
             params = attrs.evolve(params, prompt_logprobs=req.prompt_logprobs)
             job = GenerationJob(
@@ -40,7 +41,7 @@ def add_completion_routes(app, state: ServerState) -> None:
                 prompts=[Prompt("", prompt_ids, params)], n=req.n, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
                 guides=await compile_guides(engine, req, req.n), stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                adapter=model.adapter_key, **output_parsing(model, req.tools, req.tool_choice),
+                adapter=model.adapter_key, cache_salt=cache_salt(req.cache_salt), tenant=tenant() or None, **output_parsing(model, req.tools, req.tool_choice),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
@@ -56,12 +57,14 @@ def add_completion_routes(app, state: ServerState) -> None:
             # each; counted before any is tokenized.
             check_n(engine, req.n, _prompt_count(req.prompt))
             prompts = await off_loop(_completion_prompts, engine, req.prompt, state.settings.allow_special_in_prompt)
+            check_request_tokens(state, "prompt", [ids for _, ids in prompts], req.n)
             job = GenerationJob(
                 id=openai.new_id("cmpl"), shape="text", model=model.name, created=openai.now(),
                 prompts=[Prompt(text, ids, _completion_params(state, engine, req, ids)) for text, ids in prompts],
                 n=req.n, logprobs=req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                 guides=await compile_guides(engine, req, req.n * len(prompts)), stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage), adapter=model.adapter_key,
+                cache_salt=cache_salt(req.cache_salt), tenant=tenant() or None,
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)

@@ -1,7 +1,7 @@
 """What every route does with a request before the engine sees it, in one
 place: the state the routes share (`ServerState`), reading the JSON body,
 routing to a model (its registry: http/registry.py), the n check, the
-default max_tokens, and resolving the seed.
+request's token budget, the default max_tokens, and resolving the seed.
 
 A seed a client sends is resolved here, once (`resolve_seed`): folded into
 the engine's range, plus the choice's place among n choices; a session
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 import trio
-from quart import request
+from quart import current_app, g, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from trioserve.config import ServerSettings
@@ -26,9 +27,11 @@ from trioserve.http.errors import HTTPError
 from trioserve.http.registry import Model
 from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, Tool, ToolChoice, one_call_only, tools_offered
 from trioserve.http.structuring import check_json_body
+from trioserve.http.tenants import ANONYMOUS, Tenants
 from trioserve.http.tools import off_loop
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.output_parser import CALL_CLOSE
+from trioserve.state.session_store import Quota
 from trioserve.types import SamplingParams, fold_seed
 
 BIG_BODY = 64 << 10  # bodies larger than this are decoded in a thread
@@ -50,6 +53,26 @@ class ServerState:
         self.sessions = None  # the SessionStore, made with the session routes
         self.responses = None  # the stored responses (a SessionStore too), made with their routes
         self.turns = None  # the SessionActors: start session actors while the app runs
+        self.tenants = Tenants(settings.api_key, settings.api_keys_file, settings.tenant_max_in_flight)  # TenantsError: a bad keys file
+
+    def quota(self, total_sessions: int, total_bytes: int | None) -> Callable[[str], Quota]:
+        """Each tenant's quota in a store holding ``total_sessions`` and
+        ``total_bytes``: --tenant-max-sessions and --tenant-history-bytes,
+        else an even share between the tenants there are now."""
+        settings, tenants = self.settings, self.tenants
+
+        def quota(owner: str) -> Quota:
+            sessions = settings.tenant_max_sessions or tenants.share(total_sessions)
+            history = settings.tenant_history_bytes or (tenants.share(total_bytes) if total_bytes is not None else None)
+            return Quota(sessions, history)
+
+        return quota
+
+    @property
+    def cache_scoped(self) -> bool:
+        """Prefix-cache blocks are salted per tenant (--prefix-cache-scope)."""
+        scope = self.settings.prefix_cache_scope
+        return scope == "tenant" or (scope == "auto" and self.tenants.required)
 
     def route(self, name: object, field: str = "model") -> Model:
         """The ready model ``name`` picks (`Registry.route`: held until the
@@ -91,6 +114,25 @@ AFFINITY_HEADER = "X-Session-Id"  # what a load balancer hashes to keep a conver
 _AFFINITY_KEY = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+def tenant() -> str:
+    """The tenant of the request being served (app.py's guard names it;
+    "" without API keys, and on routes that need no key)."""
+    return g.get("tenant", ANONYMOUS)
+
+
+def cache_salt(sent: str | None = None) -> str | None:
+    """The prefix-cache salt of the request being served: its tenant's
+    when the cache is scoped by tenant (--prefix-cache-scope), narrowed by
+    the request's own ``cache_salt`` field (vLLM's) when it sent one; None
+    (shared with every unsalted request) when neither applies."""
+    state: ServerState = current_app.extensions["trioserve"]
+    scoped = state.cache_scoped
+    if not scoped and sent is None:
+        return None
+    who = tenant() if scoped else ""
+    return f"{len(who)}:{who}:{sent or ''}"  # the length first: no two (tenant, salt) pairs spell the same text
+
+
 def affinity_key() -> str | None:
     """The request's X-Session-Id (a conversation's key, chosen by the
     client), or None; a 400 naming the header when it is not 1-128 of
@@ -122,6 +164,23 @@ def check_n(engine, n: int, prompts: int = 1) -> None:
             f"{prompts} prompts x n ({n}) = {n * prompts} choices, more than this server queues at once ({limit}, --max-queue)",
             field="prompt",
         )
+
+
+def check_request_tokens(state: ServerState, field: str, prompts: Iterable[Sized], n: int = 1) -> None:
+    """The request's token budget (--max-request-tokens): the tokens of all
+    ``prompts`` (token id lists), n times over for n choices, counted
+    together. Over it, a 400 naming ``field`` with the count and the limit.
+    Every route that submits work calls it once its prompts are tokenized
+    and before the engine sees any of them."""
+    limit = state.settings.max_request_tokens
+    each = sum(len(prompt) for prompt in prompts)
+    total = each * n
+    if total > limit:
+        times = f" ({each} x n {n})" if n > 1 else ""
+        raise HTTPError(
+            400, f"{field}: this request has {total} prompt tokens in all{times}, more than --max-request-tokens {limit}",
+            param=field, code="too_many_tokens",
+        )  # fmt: skip
 
 
 def default_max_tokens(state: ServerState, engine, prompt_ids, field: str) -> int:

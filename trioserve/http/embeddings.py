@@ -39,7 +39,7 @@ from cattrs.errors import BaseValidationError
 from quart import Response
 
 from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
-from trioserve.http.edge import ServerState, read_body
+from trioserve.http.edge import ServerState, check_request_tokens, read_body
 from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.schemas import token_ids
 from trioserve.http.structuring import Invalid, Nested, field, got, is_int, raise_request_error, strict_converter
@@ -244,6 +244,7 @@ def add_embedding_routes(app, state: ServerState) -> None:
             engine = model.engine
             check_dimensions(req.dimensions, engine.hidden_size)
             prompts = await off_loop(prompt_ids, engine, req.input, input_limit(engine))
+            check_request_tokens(state, "input", prompts)
             finals = await embed_all(engine, prompts, engine_window(engine), model.adapter_key)
             if len(finals) * engine.hidden_size > BIG_RESPONSE:
                 text = await off_loop(response_body, finals, req.encoding_format, model.name)

@@ -9,7 +9,7 @@ import math
 from quart import Response
 
 from trioserve.state.durable import StateConflict, StateError
-from trioserve.state.session_store import SessionBusy, SessionNotFound
+from trioserve.state.session_store import QuotaExceeded, SessionBusy, SessionNotFound
 
 from trioserve.errors import ChatTemplateError, EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
 
@@ -42,6 +42,8 @@ def to_response(exc: Exception) -> tuple[int, dict, dict[str, str]]:
         return 400, error_body(str(exc), "invalid_request_error", exc.field), {}
     if isinstance(exc, SessionNotFound):
         return 404, error_body(str(exc), "invalid_request_error", None, "session_not_found"), {}
+    if isinstance(exc, QuotaExceeded):
+        return 429, error_body(str(exc), "rate_limit_error", None, "quota_exceeded"), {"Retry-After": str(math.ceil(exc.retry_after))}
     if isinstance(exc, SessionBusy):
         return 409, error_body(str(exc), "invalid_request_error", None, "session_busy"), {}
     if isinstance(exc, ChatTemplateError):  # the model's template refuses this conversation

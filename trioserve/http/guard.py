@@ -1,13 +1,14 @@
 """The checks in front of every route (app.py's ``guard``), as plain
 functions of header values: the API key (``Authorization: Bearer``, or
-Anthropic's ``X-Api-Key``), and the content type of a body.
+Anthropic's ``X-Api-Key``; which tenant it is: http/tenants.py), the
+content type of a body, and the origins CORS allows.
 
 A browser sends a cross-origin POST without asking first (no CORS
 preflight) only when its content type is one an HTML form could send:
 text/plain, application/x-www-form-urlencoded or multipart/form-data.
 Refusing those keeps any web page a visitor opens from driving the server
-(which allows every origin) through the visitor's browser; JSON bodies need
-the preflight, which CORS decides."""
+(which may allow other origins: --cors-origins) through the visitor's
+browser; JSON bodies need the preflight, which CORS decides."""
 
 from __future__ import annotations
 
@@ -25,15 +26,28 @@ def bearer_matches(authorization: str, api_key: str) -> bool:
     return hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-def api_key_matches(value: str, api_key: str) -> bool:
-    """``X-Api-Key: <api_key>`` (Anthropic's header for the key), compared
-    in constant time."""
-    return bool(value) and hmac.compare_digest(value.strip().encode(), api_key.encode())
-
-
 def form_content_type(content_type: str) -> str | None:
     """The media type of ``content_type`` (lower case, parameters dropped)
     when it is one a browser posts cross-origin without a preflight; None
     otherwise (JSON, ``+json`` types, other types, or no Content-Type)."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media if media in FORM_TYPES else None
+
+
+def allowed_origins(setting: str | None) -> frozenset[str]:
+    """--cors-origins as a set: empty (no CORS), {"*"}, or origins as
+    browsers send them (scheme://host[:port], no trailing slash)."""
+    if not setting:
+        return frozenset()
+    return frozenset(o.strip().rstrip("/") for o in setting.split(",") if o.strip())
+
+
+def cors_origin(allowed: frozenset[str], origin: str | None) -> str | None:
+    """The Access-Control-Allow-Origin to answer a request from ``origin``
+    with: "*" when every origin is allowed, the origin itself when listed,
+    None (no CORS headers: the browser keeps the page out) otherwise."""
+    if "*" in allowed:
+        return "*"
+    if origin is not None and origin in allowed:
+        return origin
+    return None

@@ -38,7 +38,7 @@ from quart import Response, request
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
-from trioserve.http.edge import ServerState, default_max_tokens, output_parsing, read_body, sampling_params
+from trioserve.http.edge import ServerState, cache_salt, check_request_tokens, default_max_tokens, output_parsing, read_body, sampling_params, tenant
 from trioserve.http.errors import json_response, to_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.messages_request import MessagesRequest, anthropic_field, parse_messages_request
@@ -289,6 +289,7 @@ def add_message_routes(app, state: ServerState) -> None:
             model = state.route(chat.model)
             engine = model.engine
             ids = await _prompt_ids(model, req)
+            check_request_tokens(state, "messages", [ids])
             try:
                 params = sampling_params(chat, default_max_tokens=default_max_tokens(state, engine, ids, "messages"))
                 guides = await compile_guides(engine, chat, 1)
@@ -297,7 +298,7 @@ def add_message_routes(app, state: ServerState) -> None:
             job = GenerationJob(
                 id=f"msg_{secrets.token_hex(12)}", shape="message", model=model.name, created=openai.now(),
                 prompts=[Prompt("", ids, params)], guides=guides, stream=chat.stream,
-                adapter=model.adapter_key, **output_parsing(model, chat.tools, chat.tool_choice),
+                adapter=model.adapter_key, cache_salt=cache_salt(), tenant=tenant() or None, **output_parsing(model, chat.tools, chat.tool_choice),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an Anthropic error body
             return anthropic_error_response(exc)

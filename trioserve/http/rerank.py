@@ -46,7 +46,7 @@ from quart import Response
 
 from trioserve.errors import ChatTemplateError, RequestError, RequestTooLarge
 from trioserve.http import openai
-from trioserve.http.edge import ServerState, read_body
+from trioserve.http.edge import ServerState, check_request_tokens, read_body
 from trioserve.http.embeddings import BIG_RESPONSE, Inputs, embed_all, ended_badly, engine_window, input_limit, prompt_ids, run_windowed
 from trioserve.http.errors import error_response
 from trioserve.http.registry import Model
@@ -202,9 +202,10 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return max(-1.0, min(1.0, math.fsum((a * b).tolist())))
 
 
-async def _embedding_scores(engine, pairs: Pairs, adapter: str | None) -> tuple[list[float], int]:
+async def _embedding_scores(state: ServerState, engine, pairs: Pairs, adapter: str | None) -> tuple[list[float], int]:
     limit = input_limit(engine)
     left, right = await off_loop(lambda: (prompt_ids(engine, pairs.left, limit), prompt_ids(engine, pairs.right, limit)))
+    check_request_tokens(state, pairs.right.name, left + right)  # every text once, as it is embedded
     finals = await embed_all(engine, left + right, engine_window(engine), adapter)
 
     def scores() -> list[float]:
@@ -325,8 +326,9 @@ async def _judge(engine, prompt: list[int], request_id: str, answers: AnswerIds,
     return yes_probability(top, answers), final.usage.prompt_tokens
 
 
-async def _yes_no_scores(engine, model: Model, pairs: Pairs) -> tuple[list[float], int]:
+async def _yes_no_scores(state: ServerState, engine, model: Model, pairs: Pairs) -> tuple[list[float], int]:
     answers, prompts = await off_loop(_judge_setup, engine, model, pairs)
+    check_request_tokens(state, pairs.right.name, prompts)  # the query again in every pair's prompt
     base = f"rank-{secrets.token_hex(8)}"
     judged = await run_windowed(len(prompts), engine_window(engine), lambda i: _judge(engine, prompts[i], f"{base}-{i}", answers, model.adapter_key))
     return [score for score, _ in judged], sum(tokens for _, tokens in judged)
@@ -336,8 +338,8 @@ async def score_pairs(state: ServerState, model: Model, pairs: Pairs) -> tuple[l
     """Each pair's score, in order, and the prompt tokens it took, by the
     server's --rerank-method."""
     if state.settings.rerank_method == "yes-no":
-        return await _yes_no_scores(model.engine, model, pairs)
-    return await _embedding_scores(model.engine, pairs, model.adapter_key)
+        return await _yes_no_scores(state, model.engine, model, pairs)
+    return await _embedding_scores(state, model.engine, pairs, model.adapter_key)
 
 
 # --- answers

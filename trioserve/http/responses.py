@@ -35,7 +35,7 @@ from trioserve.actors.session import durably, synced
 from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
-from trioserve.http.edge import ServerState, affinity_key, default_max_tokens, output_parsing, read_body, sampling_params, with_affinity
+from trioserve.http.edge import ServerState, affinity_key, cache_salt, check_request_tokens, default_max_tokens, output_parsing, read_body, sampling_params, tenant, with_affinity
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.responses_request import ResponsesRequest, input_messages, parse_responses_request, responses_field
@@ -43,7 +43,7 @@ from trioserve.http.schemas import parse_chat_request
 from trioserve.http.structuring import short
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.models.output_parser import Delta
-from trioserve.state.session_store import SessionNotFound, SessionStore
+from trioserve.state.session_store import SessionNotFound, SessionStore, compact_json
 from trioserve.types import Event, FinalEvent
 
 # --- the output
@@ -194,8 +194,9 @@ class ResponseRender:
     stream of events, and kept in ``store`` when asked (with the whole
     conversation it continues: ``history``)."""
 
-    def __init__(self, conn: Connection, req: ResponsesRequest, store: SessionStore, history: list[dict[str, Any]]) -> None:
+    def __init__(self, conn: Connection, req: ResponsesRequest, store: SessionStore, history: list[dict[str, Any]], owner: str) -> None:
         self.conn = conn
+        self.owner = owner  # the tenant it is stored for
         self.job = conn.job
         self.req = req
         self.store = store
@@ -241,6 +242,7 @@ class ResponseRender:
             kept = self.store.prepare_create(
                 trio.current_time(), created=self.job.created, session_id=self.job.id,
                 messages=[*self.history, *as_history(self.output.as_input())], record=body, model=self.job.model,
+                owner=self.owner,
             )  # fmt: skip
             await durably(self.store.write_create, kept, self.store.journal is not None)
             self.store.insert(kept, trio.current_time())
@@ -288,14 +290,17 @@ class ResponseRender:
 
 def add_response_routes(app, state: ServerState) -> SessionStore:
     settings = state.settings
-    store = SessionStore(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes)
+    store = SessionStore(
+        max_sessions=settings.max_sessions, idle_s=settings.session_idle_s, max_history_bytes=settings.session_history_bytes,
+        kind="response", quota=state.quota(settings.max_sessions, settings.session_history_bytes),
+    )  # fmt: skip
 
     async def stored(response_id: str, param: str | None = "previous_response_id"):
         """The stored response, used now; else a 404 naming ``param`` (none
         when the id came in the path)."""
         try:
             await synced(store, response_id)  # stored by another replica, or deleted there
-            return store.get(response_id, trio.current_time(), use=True)
+            return store.get(response_id, trio.current_time(), use=True, owner=tenant())
         except SessionNotFound:
             raise HTTPError(
                 404, f"no response {short(response_id, 80)} (unknown, deleted, stored with store false, or evicted)",
@@ -316,6 +321,7 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
                 prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, head + history, chat.tools, chat.tool_choice)
             except ChatTemplateError as exc:  # chat names messages; here they come from input (and earlier responses)
                 raise RequestError(f"input: the chat template rejected the conversation: {exc}", field="input") from None
+            check_request_tokens(state, "input", [prompt_ids])
             try:
                 params = sampling_params(chat, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "input"))
                 guides = await compile_guides(engine, chat, 1)
@@ -324,12 +330,17 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
             job = GenerationJob(
                 id=_item_id("resp"), shape="response", model=model.name, created=openai.now(),
                 prompts=[Prompt("", prompt_ids, params)], guides=guides, stream=chat.stream,
-                adapter=model.adapter_key, **output_parsing(model, chat.tools, chat.tool_choice),
+                adapter=model.adapter_key, cache_salt=cache_salt(chat.cache_salt), tenant=tenant() or None, **output_parsing(model, chat.tools, chat.tool_choice),
             )  # fmt: skip
             key = affinity_key() or job.id  # the chain's key: the client's, else this response's id
+            owner = tenant()
+            if req.store:  # a 429 or 400 now rather than a response that cannot be kept
+                store.check_room(owner)
+                tools = len(compact_json(list(req.tools)))
+                store.check_keepable(owner, tools + sum(len(str(m.get("content") or "").encode()) for m in history), lambda: "tools" if tools else "input")
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
-        answer = await Connection(job, engine, lambda conn: ResponseRender(conn, req, store, history)).respond()
+        answer = await Connection(job, engine, lambda conn: ResponseRender(conn, req, store, history, owner)).respond()
         return with_affinity(answer, key)
 
     @app.route("/v1/responses/<response_id>", methods=["GET"])

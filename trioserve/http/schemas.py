@@ -26,6 +26,7 @@ engine's `SamplingParams`.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any, Literal, NoReturn
 
@@ -34,7 +35,7 @@ import cattrs
 from cattrs.errors import BaseValidationError
 
 from trioserve.errors import RequestError
-from trioserve.http.constraints import ResponseFormat, constraint_text, given_constraints, parse_choices, parse_json_object, parse_response_format, schema_size
+from trioserve.http.constraints import MAX_CONSTRAINT_CHARS, ResponseFormat, constraint_text, given_constraints, parse_choices, parse_json_object, parse_response_format, schema_size
 from trioserve.http.structuring import Check, Invalid, Nested, field, got, is_int, num, raise_request_error, short, strict_converter
 from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, RANGES, Range
 
@@ -279,6 +280,14 @@ class ToolChoice:
     name: str | None = None  # the function, when mode is "function"
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(value: str) -> None:
+    if not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise Invalid(f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
+
+
 @attrs.frozen
 class ChatMessage:
     # "developer" is OpenAI's newer name for "system"; templates see "system" (tools.message_dict).
@@ -325,6 +334,7 @@ class ChatCompletionRequest:
     top_logprobs: int | None = field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # needs logprobs
     prompt_logprobs: int | None = field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # vLLM's: score the prompt
     user: str | None = None
+    cache_salt: str | None = field(None, check=_cache_salt)  # vLLM's: share cached prompt blocks only with the same salt
     ignore_eos: bool = False  # an extension (vLLM has it)
     tools: tuple[Tool, ...] | None = field(None, check=_tool_count)
     tool_choice: ToolChoice | None = field(None, parse=_parse_tool_choice)
@@ -356,6 +366,7 @@ class CompletionRequest:
     n: int = field(1, check=_within(Range(1, MAX_N)))
     logit_bias: dict[int, float] | None = field(None, parse=_parse_logit_bias)
     user: str | None = None
+    cache_salt: str | None = field(None, check=_cache_salt)
     ignore_eos: bool = False
     echo: bool = False
     logprobs: int | None = field(None, check=_completion_logprobs)  # top logprobs per token
@@ -407,6 +418,29 @@ def _refuse(field: str, message: str) -> NoReturn:
     raise RequestError(f"{field}: {message}", field=field)
 
 
+MAX_REQUEST_CONSTRAINT_CHARS = 4 * MAX_CONSTRAINT_CHARS  # tools, schemas, grammars and choices of one request, together
+
+
+def _check_constraint_total(request: ChatCompletionRequest) -> None:
+    """Each tool's schema, and each constraint, has its bound: so do all of
+    them together (63 tools of 62 KB each held ~95 MB once parsed)."""
+    sizes = {"tools": sum(len(compact(t.function.parameters)) + len(t.function.description or "") for t in request.tools or ())}
+    if request.response_format is not None and request.response_format.schema is not None:
+        sizes["response_format"] = len(compact(request.response_format.schema))
+    sizes["guided_json"] = len(compact(request.guided_json)) if request.guided_json is not None else 0
+    sizes["guided_regex"] = len(request.guided_regex or "")
+    sizes["guided_grammar"] = len(request.guided_grammar or "")
+    sizes["guided_choice"] = sum(map(len, request.guided_choice or ()))
+    total = sum(sizes.values())
+    if total > MAX_REQUEST_CONSTRAINT_CHARS:
+        field = max(sizes, key=sizes.__getitem__)
+        _refuse(field, f"tools, schemas, grammars and choices may total {MAX_REQUEST_CONSTRAINT_CHARS} characters in one request, got {total}")
+
+
+def compact(value: object) -> str:
+    return "" if value is None else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def parse_chat_request(body: object) -> ChatCompletionRequest:
     """The chat request in ``body`` (parsed JSON), or RequestError."""
     data = _object(body)
@@ -417,6 +451,7 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     request: ChatCompletionRequest = _structure(data, ChatCompletionRequest)
     _check_stream_options(request)
     _check_prompt_logprobs(request)
+    _check_constraint_total(request)
     if request.top_logprobs and not request.logprobs:
         _refuse("top_logprobs", "needs logprobs to be true")
     choice = request.tool_choice

@@ -35,7 +35,8 @@ from trioserve.http import openai
 from trioserve.http.connection import Connection, sse_response
 from trioserve.http.constraints import CONSTRAINT_FIELDS
 from trioserve.http.edge import (
-    AFFINITY_HEADER, ServerState, affinity_key, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params, with_affinity,
+    AFFINITY_HEADER, ServerState, affinity_key, cache_salt, check_request_tokens, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params, tenant,
+    with_affinity,
 )  # fmt: skip
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.in_flight import at_request_end
@@ -94,6 +95,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
         idle_s=settings.session_idle_s,
         max_history_bytes=settings.session_history_bytes,
         on_remove=forget,
+        quota=state.quota(settings.max_sessions, settings.session_history_bytes),
     )
 
     @app.route("/v1/sessions", methods=["POST"])
@@ -111,7 +113,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             defaults = await _check_settings(body, engine)
             chosen = affinity_key()  # a client's own key becomes the session's id, so a load balancer can route its creation too
             try:
-                session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen)
+                session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen, owner=tenant())
             except ValueError:
                 raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
             try:
@@ -127,7 +129,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     async def read_session(session_id: str) -> Response:
         try:
             await synced(store, session_id)
-            return with_affinity(json_response(_describe(store.get(session_id, trio.current_time()))), session_id)
+            return with_affinity(json_response(_describe(store.get(session_id, trio.current_time(), owner=tenant()))), session_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
@@ -135,7 +137,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
     async def delete_session(session_id: str) -> Response:
         try:
             await synced(store, session_id)
-            store.check_delete(session_id, trio.current_time())
+            store.check_delete(session_id, trio.current_time(), owner=tenant())
             await durably(store.write_delete, session_id, store.journal is not None)
             store.forget(session_id)
         except Exception as exc:  # noqa: BLE001
@@ -153,7 +155,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 if isinstance(message, dict) and message.get("role") not in ("user", "tool"):
                     raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
             await synced(store, session_id)  # another replica may have made or continued it
-            found = store.get(session_id, trio.current_time())
+            found = store.get(session_id, trio.current_time(), owner=tenant())
             model = state.route(found.model)  # the session's model runs its turns
             engine = model.engine
             defaults = found.defaults
@@ -168,7 +170,8 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 raise EngineClosed("the server is shutting down")
             # Pins the session (a second turn is a 409 here, at once) and
             # starts its actor, which owns the turn from now on.
-            line = actors.begin(session_id, trio.current_time(), engine)
+            salt, owner = cache_salt(req.cache_salt), tenant()  # here: the turn is prepared in its actor's task, outside the request
+            line = actors.begin(session_id, trio.current_time(), engine, owner=owner)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(exc)
         restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
@@ -178,6 +181,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             """The turn's generation from the pinned session (in the actor's
             task); ``on_final`` commits it."""
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, session.conversation(new), req.tools, req.tool_choice)
+            check_request_tokens(state, "messages", [prompt_ids])
             params = sampling_params(
                 req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"), seed=req.seed if restart else session.seed
             )
@@ -186,7 +190,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 prompts=[Prompt("", prompt_ids, params)], logprobs=req.logprobs,
                 guides=await compile_guides(engine, req, 1), stream=req.stream, include_usage=include_usage,
                 draw_start=0 if restart else session.draw_index, retain=session.id,
-                adapter=model.adapter_key, **output_parsing(model, req.tools, req.tool_choice),
+                adapter=model.adapter_key, cache_salt=salt, tenant=owner or None, **output_parsing(model, req.tools, req.tool_choice),
             )  # fmt: skip
             return Connection(job, engine, on_final=on_final)
 
