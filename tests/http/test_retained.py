@@ -128,3 +128,33 @@ async def test_big_stored_responses_evict_only_their_own_tenants(nursery, tiny_g
             kept = [r for r in his if (await bob.get(f"/v1/responses/{r}")).status_code == 200]
             assert 0 < len(kept) < len(his) and kept == his[-len(kept):]  # his newest, within his share
             assert [(await alice.get(f"/v1/responses/{r}")).status_code for r in hers] == [200, 200, 200]
+
+
+async def test_health_is_answered_while_huge_bodies_are_checked(nursery, tiny_gguf):
+    """Item 6: four 4 MiB bodies of 1.4 M empty lists in `user`, sent at
+    once, are each refused naming `user`; meanwhile /health is answered,
+    more than once, before the last refusal: their decoding and checks run
+    in worker threads and cost little (a scan of the raw text), so the
+    event loop goes on serving."""
+    url = await start_server(nursery, make_settings(tiny_gguf, max_body_bytes=8 * MIB))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "user": [[]] * 1_400_000}).encode()
+    pending = 4
+    answered_meanwhile = 0
+    with trio.fail_after(TIMEOUT):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=httpx.Limits(max_connections=8)) as client:
+
+            async def huge() -> None:
+                nonlocal pending
+                refused = await client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+                assert_error(refused, 400, fragment="expected a string", param="user")
+                pending -= 1
+
+            async with trio.open_nursery() as inner:
+                for _ in range(4):
+                    inner.start_soon(huge)
+                await trio.sleep(0)
+                while pending:
+                    health = await client.get("/health")
+                    assert health.status_code == 200
+                    answered_meanwhile += bool(pending)
+    assert answered_meanwhile >= 2, answered_meanwhile
