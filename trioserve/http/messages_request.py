@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, NoReturn
+from typing import Any
 
 import attrs
 
 from trioserve.errors import RequestError
 from trioserve.http.schemas import ChatCompletionRequest, parse_chat_request
-from trioserve.http.structuring import got, is_int, short
+from trioserve.http.structuring import expect_list, expect_object, expect_string, got, is_int, refuse, short
 from trioserve.http.tools import message_dict
 
 # Fields passed to chat as they are: Anthropic's sampling fields, and this
@@ -62,28 +62,6 @@ THINKING = ("enabled", "disabled", "adaptive", "between_tools")
 ERROR_MARK = "Error: "  # what a tool_result with is_error true starts with in the prompt
 
 
-def _refuse(field: str, message: str) -> NoReturn:
-    raise RequestError(f"{field}: {message}", field=field)
-
-
-def _string(value: object, field: str) -> str:
-    if not isinstance(value, str):
-        _refuse(field, f"expected a string, got {got(value)}")
-    return value
-
-
-def _object(value: object, field: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        _refuse(field, f"expected an object, got {got(value)}")
-    return value
-
-
-def _list(value: object, field: str) -> list:
-    if not isinstance(value, list):
-        _refuse(field, f"expected a list, got {got(value)}")
-    return value
-
-
 @attrs.frozen
 class MessagesRequest:
     """A Messages request: the chat request it means, its messages as the
@@ -105,23 +83,23 @@ def _text_blocks(value: object, field: str) -> str:
     if isinstance(value, str):
         return value
     texts = []
-    for j, block in enumerate(_list(value, field)):
+    for j, block in enumerate(expect_list(value, field)):
         at = f"{field}[{j}]"
-        kind = _object(block, at).get("type")
+        kind = expect_object(block, at).get("type")
         if kind != "text":
-            _refuse(f"{at}.type", f"only text blocks are supported here, got {got(kind)}")
-        texts.append(_string(block.get("text"), f"{at}.text"))
+            refuse(f"{at}.type", f"only text blocks are supported here, got {got(kind)}")
+        texts.append(expect_string(block.get("text"), f"{at}.text"))
     return "\n".join(texts)
 
 
 def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
     arguments = block.get("input", {})
     if not isinstance(arguments, dict):
-        _refuse(f"{at}.input", f"expected an object, got {got(arguments)}")
+        refuse(f"{at}.input", f"expected an object, got {got(arguments)}")
     return {
-        "id": _string(block.get("id"), f"{at}.id"),
+        "id": expect_string(block.get("id"), f"{at}.id"),
         "type": "function",
-        "function": {"name": _string(block.get("name"), f"{at}.name"), "arguments": json.dumps(arguments, ensure_ascii=False)},
+        "function": {"name": expect_string(block.get("name"), f"{at}.name"), "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
 
 
@@ -130,10 +108,10 @@ def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
     text = "" if content is None else _text_blocks(content, f"{at}.content")
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
-        _refuse(f"{at}.is_error", f"expected true or false, got {got(is_error)}")
+        refuse(f"{at}.is_error", f"expected true or false, got {got(is_error)}")
     if is_error:
         text = ERROR_MARK + text
-    return {"role": "tool", "tool_call_id": _string(block.get("tool_use_id"), f"{at}.tool_use_id"), "content": text}
+    return {"role": "tool", "tool_call_id": expect_string(block.get("tool_use_id"), f"{at}.tool_use_id"), "content": text}
 
 
 def _blocks(role: str, content: list, at: str) -> tuple[list[tuple[dict[str, Any], str]], bool]:
@@ -154,16 +132,16 @@ def _blocks(role: str, content: list, at: str) -> tuple[list[tuple[dict[str, Any
 
     for j, block in enumerate(content):
         where = f"{at}[{j}]"
-        kind = _object(block, where).get("type")
+        kind = expect_object(block, where).get("type")
         if kind not in SUPPORTED_BLOCKS[role]:
             other_role = "assistant" if role == "user" else "user"
             if kind in SUPPORTED_BLOCKS[other_role] and kind != "text":
-                _refuse(f"{where}.type", f"{kind} blocks belong in {other_role} messages, not in {role} messages")
+                refuse(f"{where}.type", f"{kind} blocks belong in {other_role} messages, not in {role} messages")
             supported = ", ".join(map(repr, SUPPORTED_BLOCKS[role]))
             named = short(kind) if isinstance(kind, str) else got(kind)
-            _refuse(f"{where}.type", f"{named} blocks are not supported in {role} messages (supported: {supported})")
+            refuse(f"{where}.type", f"{named} blocks are not supported in {role} messages (supported: {supported})")
         if kind == "text":
-            texts.append(_string(block.get("text"), f"{where}.text"))
+            texts.append(expect_string(block.get("text"), f"{where}.text"))
             text_at = text_at or where
         elif kind == "tool_use":
             calls.append(_tool_use(block, where))
@@ -187,19 +165,19 @@ def _blocks(role: str, content: list, at: str) -> tuple[list[tuple[dict[str, Any
 def _conversation(value: object) -> tuple[list[dict[str, Any]], list[str], str | None]:
     """(chat messages, the path each came from, the prefill) of ``messages``."""
     if value is None:
-        _refuse("messages", "this field is required")
-    items = _list(value, "messages")
+        refuse("messages", "this field is required")
+    items = expect_list(value, "messages")
     if not items:
-        _refuse("messages", "must hold at least one message")
+        refuse("messages", "must hold at least one message")
     messages: list[dict[str, Any]] = []
     origins: list[str] = []
     prefill = None
     for i, item in enumerate(items):
         at = f"messages[{i}]"
-        role = _object(item, at).get("role")
+        role = expect_object(item, at).get("role")
         if role not in ROLES:
             hint = " (send a system prompt in the top-level system field)" if role == "system" else ""
-            _refuse(f"{at}.role", f"must be 'user' or 'assistant', got {got(role)}{hint}")
+            refuse(f"{at}.role", f"must be 'user' or 'assistant', got {got(role)}{hint}")
         content = item.get("content")
         if isinstance(content, str):
             if role == "assistant" and i == len(items) - 1:
@@ -209,9 +187,9 @@ def _conversation(value: object) -> tuple[list[dict[str, Any]], list[str], str |
             origins.append(at)
             continue
         if content is None:
-            _refuse(f"{at}.content", "this field is required")
+            refuse(f"{at}.content", "this field is required")
         if not isinstance(content, list):
-            _refuse(f"{at}.content", f"expected a string or a list of content blocks, got {got(content)}")
+            refuse(f"{at}.content", f"expected a string or a list of content blocks, got {got(content)}")
         made, other = _blocks(role, content, f"{at}.content")
         if role == "assistant" and i == len(items) - 1 and not other:
             prefill = made[0][0]["content"] if made else ""
@@ -220,7 +198,7 @@ def _conversation(value: object) -> tuple[list[dict[str, Any]], list[str], str |
             messages.append(message)
             origins.append(origin)
     if not messages:
-        _refuse("messages", "must hold a message before a final assistant message (its text is where the reply starts)")
+        refuse("messages", "must hold a message before a final assistant message (its text is where the reply starts)")
     return messages, origins, prefill
 
 
@@ -231,13 +209,13 @@ def _chat_tools(value: object) -> list[dict[str, Any]] | None:
     if value is None:
         return None
     out = []
-    for i, tool in enumerate(_list(value, "tools")):
+    for i, tool in enumerate(expect_list(value, "tools")):
         at = f"tools[{i}]"
-        kind = _object(tool, at).get("type")
+        kind = expect_object(tool, at).get("type")
         if kind not in (None, "custom"):
-            _refuse(f"{at}.type", f"only custom tools (name, description, input_schema) are supported; {got(kind)} is a server tool this server does not have")
+            refuse(f"{at}.type", f"only custom tools (name, description, input_schema) are supported; {got(kind)} is a server tool this server does not have")
         if tool.get("input_schema") is None:
-            _refuse(f"{at}.input_schema", "this field is required")
+            refuse(f"{at}.input_schema", "this field is required")
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -249,20 +227,20 @@ def _chat_tool_choice(value: object, tools: list[dict[str, Any]] | None) -> tupl
     """(chat's tool_choice, chat's parallel_tool_calls) of ``tool_choice``."""
     if value is None:
         return None, True
-    choice = _object(value, "tool_choice")
+    choice = expect_object(value, "tool_choice")
     kind = choice.get("type")
     if kind not in TOOL_CHOICES:
-        _refuse("tool_choice.type", f"must be one of {', '.join(map(repr, TOOL_CHOICES))}, got {got(kind)}")
+        refuse("tool_choice.type", f"must be one of {', '.join(map(repr, TOOL_CHOICES))}, got {got(kind)}")
     serial = choice.get("disable_parallel_tool_use")
     if serial is not None and not isinstance(serial, bool):
-        _refuse("tool_choice.disable_parallel_tool_use", f"expected true or false, got {got(serial)}")
+        refuse("tool_choice.disable_parallel_tool_use", f"expected true or false, got {got(serial)}")
     names = [t["function"]["name"] for t in tools or ()]
     if kind in ("any", "tool") and not names:
-        _refuse("tool_choice", f"{kind!r} needs tools")
+        refuse("tool_choice", f"{kind!r} needs tools")
     if kind == "tool":
-        name = _string(choice.get("name"), "tool_choice.name")
+        name = expect_string(choice.get("name"), "tool_choice.name")
         if name not in names:
-            _refuse("tool_choice.name", f"no tool named {short(name)} (tools: {', '.join(map(str, names))})")
+            refuse("tool_choice.name", f"no tool named {short(name)} (tools: {', '.join(map(str, names))})")
         return {"type": "function", "function": {"name": name}}, not serial
     return {"auto": "auto", "any": "required", "none": "none"}[kind], not serial
 
@@ -270,12 +248,12 @@ def _chat_tool_choice(value: object, tools: list[dict[str, Any]] | None) -> tupl
 def _user(value: object) -> str | None:
     if value is None:
         return None
-    metadata = _object(value, "metadata")
+    metadata = expect_object(value, "metadata")
     for key in metadata:
         if key != "user_id":
-            _refuse(f"metadata.{str(key)[:64]}", "unknown field (metadata takes user_id)")
+            refuse(f"metadata.{str(key)[:64]}", "unknown field (metadata takes user_id)")
     user = metadata.get("user_id")
-    return None if user is None else _string(user, "metadata.user_id")
+    return None if user is None else expect_string(user, "metadata.user_id")
 
 
 def _check_thinking(value: object, max_tokens: object) -> None:
@@ -283,36 +261,36 @@ def _check_thinking(value: object, max_tokens: object) -> None:
     reasoning channel, where the model has one, is split out regardless)."""
     if value is None:
         return
-    kind = _object(value, "thinking").get("type")
+    kind = expect_object(value, "thinking").get("type")
     if kind not in THINKING:
-        _refuse("thinking.type", f"must be one of {', '.join(map(repr, THINKING))}, got {got(kind)}")
+        refuse("thinking.type", f"must be one of {', '.join(map(repr, THINKING))}, got {got(kind)}")
     if kind == "enabled":
         budget = value.get("budget_tokens")
         if not is_int(budget) or budget < 1:
-            _refuse("thinking.budget_tokens", f"expected a whole number of at least 1, got {got(budget)}")
+            refuse("thinking.budget_tokens", f"expected a whole number of at least 1, got {got(budget)}")
         if is_int(max_tokens) and budget >= max_tokens:
-            _refuse("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
+            refuse("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
 
 
 def _response_format(value: object) -> dict[str, Any] | None:
     if value is None:
         return None
-    fmt = _object(value, "output_config").get("format")
+    fmt = expect_object(value, "output_config").get("format")
     effort = value.get("effort")
     if effort is not None:
-        _string(effort, "output_config.effort")  # accepted; there is one way to generate here
+        expect_string(effort, "output_config.effort")  # accepted; there is one way to generate here
     if fmt is None:
         return None
-    kind = _object(fmt, "output_config.format").get("type")
+    kind = expect_object(fmt, "output_config.format").get("type")
     if kind != "json_schema":
-        _refuse("output_config.format.type", f"must be 'json_schema', got {got(kind)}")
+        refuse("output_config.format.type", f"must be 'json_schema', got {got(kind)}")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
 
 
 def _stop_sequences(value: object) -> list[str] | None:
     if value is None:
         return None
-    return _list(value, "stop_sequences")  # chat's stop checks each (renamed back by anthropic_field)
+    return expect_list(value, "stop_sequences")  # chat's stop checks each (renamed back by anthropic_field)
 
 
 # Chat's field paths, as a Messages request names them.
@@ -363,12 +341,12 @@ def parse_messages_request(body: object, *, counting: bool = False) -> MessagesR
             continue
         if name in REFUSED:
             if value not in ([], {}, False):
-                _refuse(name, REFUSED[name])
+                refuse(name, REFUSED[name])
             continue
-        _refuse(str(name)[:64], "unknown field (docs/api.md lists the fields /v1/messages takes)")
+        refuse(str(name)[:64], "unknown field (docs/api.md lists the fields /v1/messages takes)")
     max_tokens = body.get("max_tokens")
     if max_tokens is None and not counting:
-        _refuse("max_tokens", "this field is required (the most tokens the reply may have)")
+        refuse("max_tokens", "this field is required (the most tokens the reply may have)")
     _check_thinking(body.get("thinking"), max_tokens)
     system = body.get("system")
     head = [] if system is None else [{"role": "system", "content": _text_blocks(system, "system")}]

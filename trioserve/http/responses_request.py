@@ -27,7 +27,7 @@ import attrs
 
 from trioserve.errors import RequestError
 from trioserve.http.schemas import ChatCompletionRequest, parse_chat_request
-from trioserve.http.structuring import got, short
+from trioserve.http.structuring import expect_string, got, refuse, short
 from trioserve.http.tools import message_dict
 
 # Chat fields a Responses request may send as they are: OpenAI's own, and
@@ -65,16 +65,6 @@ MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 
 
-def _refuse(field: str, message: str):
-    raise RequestError(f"{field}: {message}", field=field)
-
-
-def _string(value: object, field: str) -> str:
-    if not isinstance(value, str):
-        _refuse(field, f"expected a string, got {got(value)}")
-    return value
-
-
 # --- the request
 
 
@@ -103,19 +93,19 @@ def _content_text(content: object, at: str, role: str) -> str | None:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        _refuse(at, f"expected a string or a list of content parts, got {got(content)}")
+        refuse(at, f"expected a string or a list of content parts, got {got(content)}")
     texts = []
     for j, part in enumerate(content):
         where = f"{at}[{j}]"
         if not isinstance(part, dict):
-            _refuse(where, f"expected a content part (an object), got {got(part)}")
+            refuse(where, f"expected a content part (an object), got {got(part)}")
         kind = part.get("type")
         if kind == "refusal" and role == "assistant":
-            texts.append(_string(part.get("refusal"), f"{where}.refusal"))
+            texts.append(expect_string(part.get("refusal"), f"{where}.refusal"))
             continue
         if not isinstance(kind, str) or kind not in TEXT_PARTS:
-            _refuse(f"{where}.type", f"only text parts are supported ('input_text', 'output_text'), got {got(kind)}")
-        texts.append(_string(part.get("text"), f"{where}.text"))
+            refuse(f"{where}.type", f"only text parts are supported ('input_text', 'output_text'), got {got(kind)}")
+        texts.append(expect_string(part.get("text"), f"{where}.text"))
     return "\n".join(texts)
 
 
@@ -124,29 +114,29 @@ def input_messages(value: object) -> tuple[list[dict[str, Any]], list[str]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}], ["input"]
     if value is None:
-        _refuse("input", "this field is required")
+        refuse("input", "this field is required")
     if not isinstance(value, list):
-        _refuse("input", f"expected a string or a list of input items, got {got(value)}")
+        refuse("input", f"expected a string or a list of input items, got {got(value)}")
     messages: list[dict[str, Any]] = []
     origins: list[str] = []
     calls_open = False  # the last message is an assistant message that calls may join
     for i, item in enumerate(value):
         at = f"input[{i}]"
         if not isinstance(item, dict):
-            _refuse(at, f"expected an input item (an object), got {got(item)}")
+            refuse(at, f"expected an input item (an object), got {got(item)}")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
-                _refuse(f"{at}.role", f"must be one of {', '.join(map(repr, MESSAGE_ROLES))}, got {got(role)}")
+                refuse(f"{at}.role", f"must be one of {', '.join(map(repr, MESSAGE_ROLES))}, got {got(role)}")
             messages.append({"role": role, "content": _content_text(item.get("content"), f"{at}.content", role)})
             origins.append(at)
             calls_open = role == "assistant"
         elif kind == "function_call":
             call = {
-                "id": _string(item.get("call_id"), f"{at}.call_id"),
+                "id": expect_string(item.get("call_id"), f"{at}.call_id"),
                 "type": "function",
-                "function": {"name": _string(item.get("name"), f"{at}.name"), "arguments": _string(item.get("arguments"), f"{at}.arguments")},
+                "function": {"name": expect_string(item.get("name"), f"{at}.name"), "arguments": expect_string(item.get("arguments"), f"{at}.arguments")},
             }
             if calls_open:
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -157,20 +147,20 @@ def input_messages(value: object) -> tuple[list[dict[str, Any]], list[str]]:
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _content_text(output, f"{at}.output", "tool")
-            messages.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{at}.call_id"), "content": text})
+            messages.append({"role": "tool", "tool_call_id": expect_string(item.get("call_id"), f"{at}.call_id"), "content": text})
             origins.append(at)
             calls_open = False
         elif kind == "reasoning":
             continue  # the model's earlier reasoning: templates show none of it again
         elif kind == "item_reference":
-            _refuse(f"{at}.type", "item references are not supported; send previous_response_id, or the items themselves")
+            refuse(f"{at}.type", "item references are not supported; send previous_response_id, or the items themselves")
         else:
-            _refuse(
+            refuse(
                 f"{at}.type",
                 f"{got(kind)} items are not supported (supported: 'message', 'function_call', 'function_call_output', 'reasoning')",
             )
     if not messages:
-        _refuse("input", "must hold at least one message or function call output")
+        refuse("input", "must hold at least one message or function call output")
     return messages, origins
 
 
@@ -178,13 +168,13 @@ def _chat_tools(value: object) -> list[dict[str, Any]] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        _refuse("tools", f"expected a list of tools, got {got(value)}")
+        refuse("tools", f"expected a list of tools, got {got(value)}")
     out = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict):
-            _refuse(f"tools[{i}]", f"expected a tool (an object), got {got(tool)}")
+            refuse(f"tools[{i}]", f"expected a tool (an object), got {got(tool)}")
         if tool.get("type") != "function":
-            _refuse(f"tools[{i}].type", f"only function tools are supported; {got(tool.get('type'))} is not one this server has")
+            refuse(f"tools[{i}].type", f"only function tools are supported; {got(tool.get('type'))} is not one this server has")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}})
     return out
 
@@ -193,10 +183,10 @@ def _chat_tool_choice(value: object) -> str | dict[str, Any] | None:
     if value is None or value in ("none", "auto", "required"):
         return value
     if isinstance(value, dict) and value.get("type") == "function":
-        return {"type": "function", "function": {"name": _string(value.get("name"), "tool_choice.name")}}
+        return {"type": "function", "function": {"name": expect_string(value.get("name"), "tool_choice.name")}}
     if isinstance(value, dict):
-        _refuse("tool_choice.type", f"only function tools can be chosen, got {got(value.get('type'))}")
-    _refuse("tool_choice", f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": ...}}, got {got(value)}")
+        refuse("tool_choice.type", f"only function tools can be chosen, got {got(value.get('type'))}")
+    refuse("tool_choice", f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": ...}}, got {got(value)}")
 
 
 def _response_format(text: object) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -204,17 +194,17 @@ def _response_format(text: object) -> tuple[dict[str, Any] | None, dict[str, Any
     if text is None:
         return None, {"type": "text"}
     if not isinstance(text, dict):
-        _refuse("text", f"expected an object, got {got(text)}")
+        refuse("text", f"expected an object, got {got(text)}")
     fmt = text.get("format")
     if fmt is None:
         return None, {"type": "text"}
     if not isinstance(fmt, dict):
-        _refuse("text.format", f"expected an object, got {got(fmt)}")
+        refuse("text.format", f"expected an object, got {got(fmt)}")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}, {"type": kind}
     if kind != "json_schema":
-        _refuse("text.format.type", f"must be one of 'text', 'json_object', 'json_schema', got {got(kind)}")
+        refuse("text.format.type", f"must be one of 'text', 'json_object', 'json_schema', got {got(kind)}")
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}, {"type": "json_schema", **spec}
 
@@ -223,14 +213,14 @@ def _metadata(value: object) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        _refuse("metadata", f"expected an object of strings, got {got(value)}")
+        refuse("metadata", f"expected an object of strings, got {got(value)}")
     if len(value) > 16:
-        _refuse("metadata", f"at most 16 keys are allowed, got {len(value)}")
+        refuse("metadata", f"at most 16 keys are allowed, got {len(value)}")
     for key, item in value.items():
         if len(key) > 64:
-            _refuse("metadata", f"a key may be at most 64 characters, got {short(key)}")
+            refuse("metadata", f"a key may be at most 64 characters, got {short(key)}")
         if not isinstance(item, str) or len(item) > 512:
-            _refuse(f"metadata.{key}", f"expected a string of at most 512 characters, got {got(item)}")
+            refuse(f"metadata.{key}", f"expected a string of at most 512 characters, got {got(item)}")
     return dict(value)
 
 
@@ -279,20 +269,20 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         raise RequestError("the request body must be a JSON object", field=None)
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False, 0, {}):
-            _refuse(name, why)
+            refuse(name, why)
     _check_fields(body)
     truncation = body.get("truncation") or "disabled"
     if truncation != "disabled":
-        _refuse("truncation", f"only 'disabled' is supported (a prompt too long for the model is refused, never cut), got {got(truncation)}")
+        refuse("truncation", f"only 'disabled' is supported (a prompt too long for the model is refused, never cut), got {got(truncation)}")
     instructions = body.get("instructions")
     if instructions is not None:
-        _string(instructions, "instructions")
+        expect_string(instructions, "instructions")
     previous = body.get("previous_response_id")
     if previous is not None:
-        _string(previous, "previous_response_id")
+        expect_string(previous, "previous_response_id")
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
-        _refuse("store", f"expected true or false, got {got(store)}")
+        refuse("store", f"expected true or false, got {got(store)}")
     messages, origins = input_messages(body.get("input"))
     response_format, text_format = _response_format(body.get("text"))
     chat: dict[str, Any] = {name: body[name] for name in PASSED if name in body}
@@ -332,12 +322,12 @@ def _check_fields(body: dict[str, Any]) -> None:
         if value is None:
             continue
         if name in CHAT_ONLY:
-            _refuse(name, f"not a field of the Responses API; {CHAT_ONLY[name]}")
+            refuse(name, f"not a field of the Responses API; {CHAT_ONLY[name]}")
         if name not in PASSED and name not in IGNORED and name not in HANDLED and name not in REFUSED:
-            _refuse(name[:64], "unknown field (docs/responses.md lists the fields this server takes)")
+            refuse(name[:64], "unknown field (docs/responses.md lists the fields this server takes)")
     include = body.get("include")
     if isinstance(include, list) and "message.output_text.logprobs" in include:
-        _refuse("include", "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs")
+        refuse("include", "log probabilities are not supported on /v1/responses; use /v1/chat/completions with logprobs")
 
 
 def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import attrs
 import cattrs
@@ -378,3 +378,29 @@ def _entry_path(entry: tuple) -> str:
     for step in reversed(steps):
         path = _join(path, step)
     return path
+
+
+# --- hand-written readers' checks (responses_request.py, messages_request.py)
+
+
+def refuse(field: str, message: str) -> NoReturn:
+    """A RequestError naming ``field``, its message starting with it."""
+    raise RequestError(f"{field}: {message}", field=field)
+
+
+def expect_string(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        refuse(field, f"expected a string, got {got(value)}")
+    return value
+
+
+def expect_object(value: object, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        refuse(field, f"expected an object, got {got(value)}")
+    return value
+
+
+def expect_list(value: object, field: str) -> list:
+    if not isinstance(value, list):
+        refuse(field, f"expected a list, got {got(value)}")
+    return value
