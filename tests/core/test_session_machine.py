@@ -41,7 +41,19 @@ finished turn while the scheduler is busy and begin and abandon the next one
 before its next iteration (the commit must still take effect); delete; a
 second turn on a busy session, and anything on a gone one (refused); time
 passing, with or without an expiry sweep; a stateless request that needs
-most of the pool; scheduler iterations."""
+most of the pool; scheduler iterations.
+
+Two tenants keep sessions in the store, "alice" and "bob", each under its
+own quota of sessions and history bytes; the two quotas add up to more than
+the store's own limits, so a tenant makes room from its own idle sessions
+both for its quota and for the store's limits, and is refused
+(QuotaExceeded) when all it keeps is busy. Every create names a tenant and
+every store call acts as one: the session's own, or, in `trespass`, the
+other, which must find nothing (exactly as for an unknown id) and change
+nothing. Each rule acts as at most one tenant, and after it what every other
+tenant reads -- its sessions, in order, with their histories, turns, seeds,
+draw positions and settings -- is what it read before (sessions that expired
+by then excepted: the clock, not a tenant, removes those)."""
 
 from __future__ import annotations
 
@@ -51,7 +63,7 @@ from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -63,13 +75,24 @@ from hypothesis.stateful import (
 )
 
 from trioserve.core.engine_core import EngineCore
-from trioserve.errors import RequestTooLarge
+from trioserve.errors import RequestError, RequestTooLarge
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.prefix_cache import ROOT, PrefixCache, block_key, held_key
 from trioserve.state.scheduling import SchedulingPolicy
 from trioserve.state.sequence import Sequence
-from trioserve.state.session_store import Session, SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn, TurnLease
+from trioserve.state.session_store import (
+    Quota,
+    QuotaExceeded,
+    Session,
+    SessionBusy,
+    SessionNotFound,
+    SessionStore,
+    StaleTurn,
+    Turn,
+    TurnLease,
+    compact_json,
+)
 from trioserve.types import (
     Event,
     FinalEvent,
@@ -95,6 +118,15 @@ STOP = 2  # the stop id every sequence has (and its only one)
 ALPHABET = [5, 6]  # new prompt tokens: small, so histories share blocks
 SAMPLED = [5, 6, 7, STOP]  # what a step samples (every sampling row the same)
 HOG_BASE = 8  # a hog's prompt tokens are at least this: it shares nothing with sessions
+OWNERS = ("alice", "bob")
+# Each tenant's quota: together more than the store's limits (4 > MAX_SESSIONS
+# sessions, 22 > HISTORY_BYTES bytes), so either can be what forces an
+# eviction. Bob may keep one session: with its turn running, he is refused.
+QUOTAS = {"alice": Quota(3, 12), "bob": Quota(1, 10)}
+# A session's settings, kept as compact JSON and counted in its bytes: none
+# ("{}", 2 bytes), small, or more than any tenant may keep in one session.
+SETTINGS = [None, None, None, {"t": "x"}, {"t": "x" * 8}]
+TIME = "the clock"  # the actor of a rule in which only time removes sessions
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +188,7 @@ class Live:
 
     session: Session  # the store's object, for commit and cancel
     last_used: float
+    owner: str
     tokens: list[int] = attrs.field(factory=list)  # committed history as tokens
     history_bytes: int = 0
     turns: int = 0
@@ -188,6 +221,7 @@ class SessionMachine(RuleBasedStateMachine):
             idle_s=SESSION_IDLE_S,
             max_history_bytes=HISTORY_BYTES,
             on_remove=self.on_remove,
+            quota=QUOTAS.__getitem__,
         )
         # The core sees only the times it is given (every call passes
         # self.now). Its register of orders is checked against a model:
@@ -202,6 +236,12 @@ class SessionMachine(RuleBasedStateMachine):
         # Model of the store.
         self.live: OrderedDict[str, Live] = OrderedDict()  # least recently used first
         self.ids: list[str] = []  # every session ever created
+        self.owner_by_sid: dict[str, str] = {}  # its tenant, for every session ever created
+        # The tenant the current rule acts as (None: nobody; TIME: the clock),
+        # and what each tenant read after the last rule, at that rule's end.
+        self.actor: str | None = None
+        self.read: dict[str, tuple] = {}
+        self.read_at = 0.0
         self.gone: list[str] = []  # deleted or evicted
         self.evicted = self.committed = self.cancelled = 0
         # Model of the pins: owner -> pinned tokens (whole blocks), least
@@ -434,16 +474,53 @@ class SessionMachine(RuleBasedStateMachine):
             self.evict(sid)
         return out
 
-    def model_enforce(self) -> list[str]:
-        """Evict the least recently used idle session while over a limit."""
+    def owned(self, owner: str) -> tuple[int, int]:
+        """(sessions, history bytes) the model says ``owner`` keeps."""
+        mine = [s for s in self.live.values() if s.owner == owner]
+        return len(mine), sum(s.history_bytes for s in mine)
+
+    def model_enforce(self, owner: str) -> list[str]:
+        """Evict ``owner``'s least recently used idle session while it is over
+        its quota or the store over its limits; never another tenant's, so
+        the store may stay over its limits when ``owner`` has nothing idle."""
         out = []
-        while len(self.live) > MAX_SESSIONS or sum(s.history_bytes for s in self.live.values()) > HISTORY_BYTES:
-            idle = [sid for sid, s in self.live.items() if not s.busy]
+        quota = QUOTAS[owner]
+        while True:
+            count, size = self.owned(owner)
+            over = {
+                "the tenant's sessions": count > quota.sessions,
+                "the tenant's bytes": size > quota.history_bytes,
+                "the store's sessions": len(self.live) > MAX_SESSIONS,
+                "the store's bytes": sum(s.history_bytes for s in self.live.values()) > HISTORY_BYTES,
+            }
+            if not any(over.values()):
+                break
+            idle = [sid for sid, s in self.live.items() if s.owner == owner and not s.busy]
             if not idle:
                 break
+            event(f"{owner} evicts for {' and '.join(k for k, v in over.items() if v)}")
             self.evict(idle[0])
             out.append(idle[0])
         return out
+
+    def reads(self, owner: str, at: float) -> tuple:
+        """What ``owner`` reads of the store at time ``at``, from the store's
+        own objects (reading through `get` would expire sessions): its
+        sessions that have not expired by then, least recently used first,
+        each with everything a client of it sees or continues from."""
+        return tuple(
+            (
+                sid, s.busy, s.last_used, s.created, s.system, s.settings_text, s.record_text, s.seed, s.draw_index,
+                s.turns, s.prompt_tokens, s.completion_tokens, tuple(tuple(sorted(m.items())) for m in s.messages),
+            )  # fmt: skip
+            for sid, s in self.store._sessions.items()
+            if s.owner == owner and (s.busy or at - s.last_used <= SESSION_IDLE_S)
+        )
+
+    def act_as(self, owner: str | None) -> None:
+        """The current rule acts as ``owner`` (one tenant at most per rule)."""
+        assert self.actor in (None, owner), f"a rule acting as both {self.actor!r} and {owner!r}"
+        self.actor = owner
 
     def check_removed(self, expected: list[str]) -> None:
         assert self.removed == expected, "on_remove was told of other sessions than the model removed"
@@ -461,7 +538,6 @@ class SessionMachine(RuleBasedStateMachine):
     def running_ids(self) -> list[str]:
         return [sid for sid, s in self.live.items() if s.flight is not None and s.flight.reason is None]
 
-
     def queued(self) -> list[Sequence]:
         """What the machine knows the core has: turns running, abandoned
         turns, stateless requests."""
@@ -471,17 +547,40 @@ class SessionMachine(RuleBasedStateMachine):
     # -- rules: the connection's side ---------------------------------------
     @initialize()
     def start(self):
-        self.create()
-        self.create()
+        for owner in OWNERS:
+            self.create_session(owner, None)
 
-    @precondition(lambda self: len(self.live) <= MAX_SESSIONS and len(self.ids) < 8)
-    @rule()
-    def create(self):
+    @precondition(lambda self: len(self.ids) < 10)
+    @rule(owner=st.sampled_from(OWNERS), defaults=st.sampled_from(SETTINGS))
+    def create(self, owner, defaults):
+        self.act_as(owner)
+        self.create_session(owner, defaults)
+
+    def create_session(self, owner: str, defaults: dict | None) -> None:
+        """A tenant full of busy sessions is refused; one session that alone
+        is more than the tenant may keep is refused, naming its largest
+        field; otherwise the tenant makes room from its own idle sessions,
+        perhaps the new one itself."""
         expected = self.model_expire()
-        session = self.store.create(self.now)
-        self.live[session.id] = Live(session, self.now)
-        self.ids.append(session.id)
-        expected += self.model_enforce()  # may be the new session itself, when all others are busy
+        size = len(compact_json(defaults or {}).encode())
+        quota = QUOTAS[owner]
+        full = self.owned(owner)[0] >= min(quota.sessions, MAX_SESSIONS)
+        if full and not any(s.owner == owner and not s.busy for s in self.live.values()):
+            event(f"{owner}'s create refused: QuotaExceeded")
+            with pytest.raises(QuotaExceeded):
+                self.store.create(self.now, defaults=defaults, owner=owner)
+        elif size > min(quota.history_bytes, HISTORY_BYTES):
+            event("create refused: settings too large")
+            with pytest.raises(RequestError) as refusal:
+                self.store.create(self.now, defaults=defaults, owner=owner)
+            assert refusal.value.field == "t"
+        else:
+            session = self.store.create(self.now, defaults=defaults, owner=owner)
+            assert session.owner == owner and session.settings_text == compact_json(defaults or {})
+            self.live[session.id] = Live(session, self.now, owner, history_bytes=size)
+            self.ids.append(session.id)
+            self.owner_by_sid[session.id] = owner
+            expected += self.model_enforce(owner)  # may be the new session itself, when all of owner's others are busy
         self.check_removed(expected)
 
     @precondition(lambda self: self.idle_ids())
@@ -505,16 +604,19 @@ class SessionMachine(RuleBasedStateMachine):
             self.begin_turn(sid, new, max_tokens)
 
     def begin_turn(self, sid: str, new: list[int], max_tokens: int, *, token: int | None = None) -> Flight | None:
-        """store.begin, then submit the turn's request (retain=sid); with
-        ``token``, the scheduler wakes and runs an iteration."""
+        """store.begin (as the session's tenant), then submit the turn's
+        request (retain=sid); with ``token``, the scheduler wakes and runs an
+        iteration."""
+        owner = self.owner_by_sid[sid]
+        self.act_as(owner)
         expected = self.model_expire()
         if sid not in self.live:  # expired just now
             with pytest.raises(SessionNotFound):
-                self.store.begin(sid, self.now)
+                self.store.begin(sid, self.now, owner=owner)
             self.check_removed(expected)
             return None
         live = self.live[sid]
-        lease = self.store.begin(sid, self.now)
+        lease = self.store.begin(sid, self.now, owner=owner)
         session = lease.session
         self.check_removed(expected)
         assert session is live.session and session.busy and lease.current
@@ -568,6 +670,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.settle_finished(data.draw(st.sampled_from(self.finished_ids()), label="session"), commit)
 
     def settle_finished(self, sid: str, commit: bool) -> None:
+        self.act_as(self.owner_by_sid[sid])
         if commit:
             self.commit(sid)
             return
@@ -584,6 +687,7 @@ class SessionMachine(RuleBasedStateMachine):
         """The turn's final response went out: the store keeps what its
         events said (the streamed tokens, the final's usage, seed and draw
         end), then a "commit" order names its request."""
+        self.act_as(self.owner_by_sid[sid])
         live = self.live[sid]
         flight = live.flight
         final = flight.final
@@ -612,7 +716,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.committed += 1
         self.touch(sid)
         # Committing can evict, even this session (its history over the bytes limit).
-        self.check_removed(self.model_enforce())
+        self.check_removed(self.model_enforce(live.owner))
         self.settle(sid, "commit", request_id)  # engine.settle_retained(commit=True), after the store
         assert not self.store.cancel(flight.lease, self.now)  # the actor's last settle: nothing left to cancel
 
@@ -640,6 +744,7 @@ class SessionMachine(RuleBasedStateMachine):
                 self.delete_session(sid)
 
     def abandon_turn(self, sid: str, *, noticed: bool) -> None:
+        self.act_as(self.owner_by_sid[sid])
         live = self.live[sid]
         seq = live.flight.seq
         assert live.flight.reason is None
@@ -664,6 +769,7 @@ class SessionMachine(RuleBasedStateMachine):
         refused, whatever turn its session runs now. The HTTP side sends an
         order only when its cancel returned True, so none goes out."""
         lease = data.draw(st.sampled_from(self.spent), label="lease")
+        self.act_as(lease.session.owner)
         assert not lease.current
         assert not self.store.cancel(lease, self.now)
         with pytest.raises(StaleTurn):
@@ -690,9 +796,10 @@ class SessionMachine(RuleBasedStateMachine):
         assert not self.store.cancel(cut, self.now)  # the late cleanup
         if flight is None:
             return
-        assert self.store.get(sid, self.now).busy and flight.lease.current
+        owner = self.owner_by_sid[sid]
+        assert self.store.get(sid, self.now, owner=owner).busy and flight.lease.current
         with pytest.raises(SessionBusy):
-            self.store.begin(sid, self.now)
+            self.store.begin(sid, self.now, owner=owner)
         self.iterate(token)
 
     @precondition(lambda self: self.strays)
@@ -746,16 +853,18 @@ class SessionMachine(RuleBasedStateMachine):
         self.delete_session(data.draw(st.sampled_from(list(self.live)), label="session"))
 
     def delete_session(self, sid: str) -> None:
+        owner = self.owner_by_sid[sid]
+        self.act_as(owner)
         expected = self.model_expire()
         if sid not in self.live:
             with pytest.raises(SessionNotFound):
-                self.store.delete(sid, self.now)
+                self.store.delete(sid, self.now, owner=owner)
         elif self.live[sid].busy:
             with pytest.raises(SessionBusy):
-                self.store.delete(sid, self.now)
-            assert self.store.get(sid, self.now) is self.live[sid].session
+                self.store.delete(sid, self.now, owner=owner)
+            assert self.store.get(sid, self.now, owner=owner) is self.live[sid].session
         else:
-            self.store.delete(sid, self.now)
+            self.store.delete(sid, self.now, owner=owner)
             del self.live[sid]
             self.gone.append(sid)
             expected.append(sid)
@@ -765,21 +874,55 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data(), op=st.sampled_from(["get", "begin", "delete"]))
     def refused(self, data, op):
         """A second turn on a busy session, or deleting it, is refused (409);
-        anything on a deleted, evicted or unknown session is not found (404)."""
+        anything on a deleted, evicted or unknown session is not found (404),
+        whichever tenant asks."""
         sid = data.draw(st.sampled_from([*self.busy_ids(), *self.gone, "sess-never-made"]), label="session")
+        owner = self.owner_by_sid[sid] if sid in self.live else data.draw(st.sampled_from(OWNERS), label="owner")
+        self.act_as(owner)
         expected = self.model_expire()  # never a busy session
         if sid in self.live and op == "get":
-            assert self.store.get(sid, self.now) is self.live[sid].session
+            assert self.store.get(sid, self.now, owner=owner) is self.live[sid].session
         else:
             with pytest.raises(SessionBusy if sid in self.live else SessionNotFound):
-                getattr(self.store, op)(sid, self.now)
+                getattr(self.store, op)(sid, self.now, owner=owner)
         self.check_removed(expected)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), op=st.sampled_from(["get", "use", "begin", "check_delete", "delete"]))
+    def trespass(self, data, op):
+        """A tenant names the other's session, idle, busy or gone: it is not
+        found, with the very error an id never made gets, and nothing
+        changes (no turn begins, nothing is deleted, nothing counts as used;
+        only what has expired goes, as at any call)."""
+        sid = data.draw(st.sampled_from(self.ids), label="session")
+        (intruder,) = [o for o in OWNERS if o != self.owner_by_sid[sid]]
+        self.act_as(intruder)
+        expected = self.model_expire()
+        before = {owner: self.reads(owner, self.now) for owner in OWNERS}
+        call = {
+            "get": lambda i: self.store.get(i, self.now, owner=intruder),
+            "use": lambda i: self.store.get(i, self.now, use=True, owner=intruder),
+            "begin": lambda i: self.store.begin(i, self.now, owner=intruder),
+            "check_delete": lambda i: self.store.check_delete(i, self.now, owner=intruder),
+            "delete": lambda i: self.store.delete(i, self.now, owner=intruder),
+        }[op]
+        with pytest.raises(SessionNotFound) as refusal:
+            call(sid)
+        with pytest.raises(SessionNotFound) as unknown:
+            call("sess-never-made")
+        assert type(refusal.value) is type(unknown.value) is SessionNotFound
+        assert str(refusal.value) == str(unknown.value).replace("sess-never-made", sid)
+        assert {owner: self.reads(owner, self.now) for owner in OWNERS} == before
+        self.check_removed(expected)
+        if sid in self.live:
+            event(f"trespass on a {'busy' if self.live[sid].busy else 'idle'} session")
 
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0, 5.0, 11.0]), expire=st.booleans())
     def tick(self, dt, expire):
         """Time passes; the store expires idle sessions now, or at its next call."""
         self.now += dt
         if expire:
+            self.act_as(TIME)
             expected = self.model_expire()
             self.store.expire(self.now)
             self.check_removed(expected)
@@ -834,8 +977,17 @@ class SessionMachine(RuleBasedStateMachine):
         for live in self.live.values():
             s = live.session
             assert (s.busy, s.turns, s.last_used, s.history_bytes()) == (live.busy, live.turns, live.last_used, live.history_bytes)
+            assert s.owner == live.owner
             assert s.messages == live.messages, "the history is not exactly the committed turns, in order"
-        assert len(self.store) <= max(MAX_SESSIONS, busy)
+        # Each tenant within its quota, and the store within its limits: what
+        # one tenant adds is idle, so it can always make room from its own.
+        for owner in OWNERS:
+            count, size = self.store.owned(owner)
+            assert (count, size) == self.owned(owner)
+            assert count <= QUOTAS[owner].sessions and size <= QUOTAS[owner].history_bytes
+        assert set(self.store._owned) == {live.owner for live in self.live.values()}
+        assert len(self.store) <= MAX_SESSIONS
+        assert sum(live.history_bytes for live in self.live.values()) <= HISTORY_BYTES
         # Every turn in flight belongs to a live session, and its sequence is
         # the scheduler's; the scheduler has nothing else but abandoned turns
         # and stateless requests, and each retains as the model says. The
@@ -849,6 +1001,23 @@ class SessionMachine(RuleBasedStateMachine):
         assert sorted(self.core.seqs) == sorted(self.requests) == sorted(s.id for s in queued)
         for seq in queued:
             assert seq.retain == self.retains.get(seq.id), f"{seq.id} retains for {seq.retain!r}"
+
+    @invariant()
+    def tenants_isolated(self):
+        """What each tenant the last rule did not act as reads now is what it
+        read before that rule (at that time, so that what expired meanwhile
+        is no difference): no tenant's call creates, evicts, deletes, begins,
+        commits, reorders or touches another's sessions, and the
+        scheduler's work changes none. The clock's sweep is nobody's."""
+        if self.read and self.actor != TIME:
+            for owner in OWNERS:
+                if owner != self.actor:
+                    assert self.reads(owner, self.read_at) == self.read[owner], f"{self.actor!r} changed what {owner!r} reads"
+        if self.actor in OWNERS and any(self.read.get(owner) for owner in OWNERS if owner != self.actor):
+            event("a tenant acted while the other kept sessions")
+        self.actor = None
+        self.read = {owner: self.reads(owner, self.now) for owner in OWNERS}
+        self.read_at = self.now
 
     @invariant()
     def blocks_add_up(self):
