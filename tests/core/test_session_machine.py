@@ -124,7 +124,7 @@ OWNERS = ("alice", "bob")
 # eviction. Bob may keep one session: with its turn running, he is refused.
 QUOTAS = {"alice": Quota(3, 12), "bob": Quota(1, 10)}
 # A session's settings, kept as compact JSON and counted in its bytes: none
-# ("{}", 2 bytes), small, or more than any tenant may keep in one session.
+# (nothing counted), small, or more than any tenant may keep in one session.
 SETTINGS = [None, None, None, {"t": "x"}, {"t": "x" * 8}]
 TIME = "the clock"  # the actor of a rule in which only time removes sessions
 
@@ -479,6 +479,18 @@ class SessionMachine(RuleBasedStateMachine):
         mine = [s for s in self.live.values() if s.owner == owner]
         return len(mine), sum(s.history_bytes for s in mine)
 
+    def would_stay(self, owner: str, size: int) -> bool:
+        """A new session of ``owner`` fits once all of ``owner``'s idle ones went."""
+        idle = [s for s in self.live.values() if s.owner == owner and not s.busy]
+        count, mine = self.owned(owner)
+        quota = QUOTAS[owner]
+        freed = sum(s.history_bytes for s in idle)
+        return (
+            count + 1 - len(idle) <= quota.sessions and len(self.live) + 1 - len(idle) <= MAX_SESSIONS
+            and mine + size - freed <= quota.history_bytes
+            and sum(s.history_bytes for s in self.live.values()) + size - freed <= HISTORY_BYTES
+        )  # fmt: skip
+
     def model_enforce(self, owner: str) -> list[str]:
         """Evict ``owner``'s least recently used idle session while it is over
         its quota or the store over its limits; never another tenant's, so
@@ -560,9 +572,10 @@ class SessionMachine(RuleBasedStateMachine):
         """A tenant full of busy sessions is refused; one session that alone
         is more than the tenant may keep is refused, naming its largest
         field; otherwise the tenant makes room from its own idle sessions,
-        perhaps the new one itself."""
+        and a session that could not stay even then is refused (429) rather
+        than made and evicted at once."""
         expected = self.model_expire()
-        size = len(compact_json(defaults or {}).encode())
+        size = len(compact_json(defaults).encode()) if defaults else 0  # no settings: nothing counted for them
         quota = QUOTAS[owner]
         full = self.owned(owner)[0] >= min(quota.sessions, MAX_SESSIONS)
         if full and not any(s.owner == owner and not s.busy for s in self.live.values()):
@@ -574,13 +587,18 @@ class SessionMachine(RuleBasedStateMachine):
             with pytest.raises(RequestError) as refusal:
                 self.store.create(self.now, defaults=defaults, owner=owner)
             assert refusal.value.field == "t"
+        elif not self.would_stay(owner, size):
+            event(f"{owner}'s create refused: it would be evicted at once")
+            with pytest.raises(QuotaExceeded, match="none of this API key's is idle"):
+                self.store.create(self.now, defaults=defaults, owner=owner)
         else:
             session = self.store.create(self.now, defaults=defaults, owner=owner)
             assert session.owner == owner and session.settings_text == compact_json(defaults or {})
             self.live[session.id] = Live(session, self.now, owner, history_bytes=size)
             self.ids.append(session.id)
             self.owner_by_sid[session.id] = owner
-            expected += self.model_enforce(owner)  # may be the new session itself, when all of owner's others are busy
+            expected += self.model_enforce(owner)
+            assert session.id in self.live, "a session made was evicted at once"
         self.check_removed(expected)
 
     @precondition(lambda self: self.idle_ids())

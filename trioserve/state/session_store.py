@@ -185,7 +185,8 @@ def _largest_field(session: Session) -> str:
 def _sized(session: Session) -> Session:
     """``session`` with its size counted: history text, settings and record,
     as the bytes of the text kept."""
-    session.size = sum(map(_message_bytes, session.messages)) + len(session.settings_text.encode())
+    settings = 0 if session.settings_text == "{}" else len(session.settings_text.encode())  # no settings, nothing kept for them
+    session.size = sum(map(_message_bytes, session.messages)) + settings
     if session.record_text is not None:
         session.size += len(session.record_text.encode())
     return session
@@ -264,7 +265,24 @@ class SessionStore:
         self.check_room(owner)
         _sized(session)
         self.check_keepable(owner, session.size, lambda: _largest_field(session))
+        if not self._would_stay(owner, session.size):
+            what = "sessions" if self.kind == "session" else "stored responses"
+            raise QuotaExceeded(f"the server keeps as many {what} as it may, and none of this API key's is idle to make room; retry when one ends")
         return session
+
+    def _would_stay(self, owner: str, size: int) -> bool:
+        """A new session of ``owner`` of ``size`` bytes fits once all of
+        ``owner``'s idle sessions made room (never another's): otherwise it
+        would be evicted as soon as it is kept."""
+        idle = [self._sessions[sid] for sid in self._idle_of(owner)]
+        freed_count, freed_bytes = len(idle), sum(s.size for s in idle)
+        count, owned_bytes = self._owned.get(owner, (0, 0))
+        quota = self.quota(owner)
+        return (
+            count + 1 - freed_count <= quota.sessions and len(self._sessions) + 1 - freed_count <= self.max_sessions
+            and (quota.history_bytes is None or owned_bytes + size - freed_bytes <= quota.history_bytes)
+            and (self.max_history_bytes is None or self._bytes + size - freed_bytes <= self.max_history_bytes)
+        )  # fmt: skip
 
     def check_keepable(self, owner: str, size: int, field: Callable[[], str]) -> None:
         """RequestError naming ``field()`` when one session of ``size`` bytes
