@@ -33,7 +33,7 @@ def add_completion_routes(app, state: ServerState) -> None:
             check_n(engine, req.n)
             messages = map(message_dict, req.messages)  # made in the thread that renders them
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, messages, req.tools, req.tool_choice)
-            check_request_tokens(state, "messages", [prompt_ids], req.n)
+            check_request_tokens(state, "messages", [prompt_ids], req.n, max_len=engine.max_model_len)
             params = sampling_params(req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"))
             params = attrs.evolve(params, prompt_logprobs=req.prompt_logprobs)
             job = GenerationJob(
@@ -57,7 +57,7 @@ def add_completion_routes(app, state: ServerState) -> None:
             # each; counted before any is tokenized.
             check_n(engine, req.n, _prompt_count(req.prompt))
             prompts = await off_loop(_completion_prompts, engine, req.prompt, state.settings.allow_special_in_prompt)
-            check_request_tokens(state, "prompt", [ids for _, ids in prompts], req.n)
+            check_request_tokens(state, "prompt", [ids for _, ids in prompts], req.n, max_len=engine.max_model_len)
             job = GenerationJob(
                 id=openai.new_id("cmpl"), shape="text", model=model.name, created=openai.now(),
                 prompts=[Prompt(text, ids, _completion_params(state, engine, req, ids)) for text, ids in prompts],

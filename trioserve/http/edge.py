@@ -166,13 +166,18 @@ def check_n(engine, n: int, prompts: int = 1) -> None:
         )
 
 
-def check_request_tokens(state: ServerState, field: str, prompts: Iterable[Sized], n: int = 1) -> None:
+def check_request_tokens(state: ServerState, field: str, prompts: Iterable[Sized], n: int = 1, *, max_len: int | None = None) -> None:
     """The request's token budget (--max-request-tokens): the tokens of all
     ``prompts`` (token id lists), n times over for n choices, counted
     together. Over it, a 400 naming ``field`` with the count and the limit.
     Every route that submits work calls it once its prompts are tokenized
-    and before the engine sees any of them."""
+    and before the engine sees any of them. A prompt longer than the
+    model's context (``max_len``) is left to the context check, whose
+    error says more (context_length_exceeded)."""
     limit = state.settings.max_request_tokens
+    prompts = list(prompts)
+    if max_len is not None and any(len(prompt) > max_len for prompt in prompts):
+        return
     each = sum(len(prompt) for prompt in prompts)
     total = each * n
     if total > limit:

@@ -289,7 +289,7 @@ def add_message_routes(app, state: ServerState) -> None:
             model = state.route(chat.model)
             engine = model.engine
             ids = await _prompt_ids(model, req)
-            check_request_tokens(state, "messages", [ids])
+            check_request_tokens(state, "messages", [ids], max_len=engine.max_model_len)
             try:
                 params = sampling_params(chat, default_max_tokens=default_max_tokens(state, engine, ids, "messages"))
                 guides = await compile_guides(engine, chat, 1)

@@ -321,7 +321,7 @@ def add_response_routes(app, state: ServerState) -> SessionStore:
                 prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, head + history, chat.tools, chat.tool_choice)
             except ChatTemplateError as exc:  # chat names messages; here they come from input (and earlier responses)
                 raise RequestError(f"input: the chat template rejected the conversation: {exc}", field="input") from None
-            check_request_tokens(state, "input", [prompt_ids])
+            check_request_tokens(state, "input", [prompt_ids], max_len=engine.max_model_len)
             try:
                 params = sampling_params(chat, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "input"))
                 guides = await compile_guides(engine, chat, 1)

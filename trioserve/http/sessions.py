@@ -181,7 +181,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             """The turn's generation from the pinned session (in the actor's
             task); ``on_final`` commits it."""
             prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, session.conversation(new), req.tools, req.tool_choice)
-            check_request_tokens(state, "messages", [prompt_ids])
+            check_request_tokens(state, "messages", [prompt_ids], max_len=engine.max_model_len)
             params = sampling_params(
                 req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"), seed=req.seed if restart else session.seed
             )
