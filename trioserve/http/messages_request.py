@@ -35,7 +35,7 @@ import attrs
 
 from trioserve.errors import RequestError
 from trioserve.http.schemas import ChatCompletionRequest, parse_chat_request
-from trioserve.http.structuring import expect_list, expect_object, expect_string, got, is_int, refuse, short
+from trioserve.http.structuring import expect_list, expect_object, expect_string, got, is_int, refuse, renamed_field, short
 from trioserve.http.tools import message_dict
 
 # Fields passed to chat as they are: Anthropic's sampling fields, and this
@@ -313,16 +313,7 @@ def anthropic_field(error: RequestError, origins: tuple[str, ...] | list[str] = 
     field = error.field
     if field is None:
         return error
-    renamed = field
-    found = re.match(r"messages\[(\d+)\]", field)
-    if found is not None:
-        index = int(found.group(1))
-        renamed = (origins[index] if index < len(origins) else "messages") + field[found.end():]
-    else:
-        for pattern, name in _RENAMES:
-            if pattern.match(field):
-                renamed = pattern.sub(name, field, count=1)
-                break
+    renamed = renamed_field(field, origins, _RENAMES, "messages")
     if renamed == field:
         return error
     message = str(error)

@@ -27,7 +27,7 @@ import attrs
 
 from trioserve.errors import RequestError
 from trioserve.http.schemas import ChatCompletionRequest, parse_chat_request
-from trioserve.http.structuring import expect_string, got, refuse, short
+from trioserve.http.structuring import expect_string, got, refuse, renamed_field, short
 from trioserve.http.tools import message_dict
 
 # Chat fields a Responses request may send as they are: OpenAI's own, and
@@ -232,6 +232,7 @@ _RENAMES = (
     (re.compile(r"tool_choice\.function\.name"), "tool_choice.name"),
     (re.compile(r"response_format\.json_schema"), "text.format"),
     (re.compile(r"response_format"), "text.format"),
+    (re.compile(r"messages$"), "input"),
 )
 
 
@@ -241,18 +242,7 @@ def responses_field(error: RequestError, origins: list[str]) -> RequestError:
     field = error.field
     if field is None:
         return error
-    renamed = field
-    found = re.match(r"messages\[(\d+)\]", field)
-    if found is not None:
-        index = int(found.group(1))
-        renamed = (origins[index] if index < len(origins) else "input") + field[found.end():]
-    elif field == "messages":
-        renamed = "input"
-    else:
-        for pattern, name in _RENAMES:
-            if pattern.match(renamed):
-                renamed = pattern.sub(name, renamed, count=1)
-                break
+    renamed = renamed_field(field, origins, _RENAMES, "input")
     if renamed == field:
         return error
     message = str(error)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import attrs
@@ -404,3 +404,18 @@ def expect_list(value: object, field: str) -> list:
     if not isinstance(value, list):
         refuse(field, f"expected a list, got {got(value)}")
     return value
+
+
+def renamed_field(field: str, origins: Sequence[str], renames: Sequence[tuple[re.Pattern, str]], whole: str) -> str:
+    """A chat request's ``field`` as the request the client sent names it
+    (Responses, Messages): ``messages[i]`` becomes what message i came from
+    (``origins[i]``, else ``whole``), and the first of ``renames`` that
+    matches rewrites the rest."""
+    found = re.match(r"messages\[(\d+)\]", field)
+    if found is not None:
+        index = int(found.group(1))
+        return (origins[index] if index < len(origins) else whole) + field[found.end():]
+    for pattern, name in renames:
+        if pattern.match(field):
+            return pattern.sub(name, field, count=1)
+    return field
