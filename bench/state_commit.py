@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from trioserve.state.durable import FILE_NAME, StateDB
-from trioserve.state.session_store import SessionStore, Turn
+from trioserve.state.session import Turn
+from trioserve.state.session_store import SessionStore
 
 
 def commits(store: SessionStore, turns: int) -> list[float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "trioserve"
 # Lowest first; a module may import its own layer's modules and any below.
 LAYERS = (
-    ("__init__", "errors", "types", "options", "config", "progress"),
+    ("__init__", "errors", "types", "option_kinds", "options", "config", "progress"),
     ("state",),
     ("kernels",),
     ("models",),

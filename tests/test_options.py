@@ -11,19 +11,8 @@ import pytest
 
 from trioserve import cli, options
 from trioserve.config import EngineConfig, ServerSettings, settings_from_env
-from trioserve.options import (
-    BYTES,
-    BYTES_OR_AUTO,
-    MILLISECONDS,
-    OPTIONS,
-    PORT,
-    POSITIVE_INT,
-    SECONDS,
-    STATE_URL,
-    SWITCH,
-    TEXT,
-    Option,
-)
+from trioserve.option_kinds import BYTES, BYTES_OR_AUTO, MILLISECONDS, PORT, POSITIVE_INT, SECONDS, STATE_URL, SWITCH, TEXT
+from trioserve.options import OPTIONS, Option
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 SETTINGS = [opt for opt in OPTIONS if opt.field]

@@ -10,7 +10,8 @@ import sys
 from collections.abc import Sequence
 
 from trioserve.config import CPU_FEATURES_ENV, EngineConfig, ServerSettings, batch_invariant_setting, cpu_features_setting, native_kernels_setting
-from trioserve.options import OPTIONS, SWITCH, Option, flag_or_env, option, positive_int, shown_default, lora_spec, split_model
+from trioserve.option_kinds import SWITCH, lora_spec, positive_int, split_model
+from trioserve.options import OPTIONS, Option, flag_or_env, option, shown_default
 from trioserve.errors import ChatTemplateError, CheckpointError, TrioserveError, sole_error
 from trioserve.types import RANGES
 

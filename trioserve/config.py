@@ -10,7 +10,9 @@ from collections.abc import Mapping
 
 import attrs
 
-from trioserve.options import (  # the choices and parsers are named here too, where callers look for them
+from trioserve.option_kinds import parse_byte_size, parse_size_or_auto, split_model  # named here too, where callers look for them
+from trioserve.option_kinds import parse_flag as _flag
+from trioserve.options import (  # the choices are named here too, where callers look for them
     ACTIVATION_CHOICES,
     DTYPE_NAMES,
     EMBEDDING_POOLING,
@@ -24,11 +26,7 @@ from trioserve.options import (  # the choices and parsers are named here too, w
     env_value,
     flag_or_env,
     option,
-    parse_byte_size,
-    parse_size_or_auto,
-    split_model,
 )
-from trioserve.options import parse_flag as _flag
 
 __all__ = [
     "ACTIVATION_CHOICES", "DTYPE_NAMES", "EMBEDDING_POOLING", "KERNEL_CHOICES", "KV_CACHE_DTYPES", "MIB", "SPECULATIVE_MODES",

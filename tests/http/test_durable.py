@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from tests.http.test_drain import free_port, serve_command
 from trioserve import cli
 from trioserve.state.durable import FILE_NAME, SCHEMA_VERSION, StateDB, StateError
-from trioserve.state.session_store import SessionNotFound, SessionStore, Turn
+from trioserve.state.session import SessionNotFound, Turn
+from trioserve.state.session_store import SessionStore
 
 TIMEOUT = 120
 USER = [{"role": "user", "content": "Tell me a story"}]

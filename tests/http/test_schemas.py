@@ -8,11 +8,10 @@ import pytest
 
 from trioserve.errors import RequestError
 from trioserve.http.edge import sampling_params
+from trioserve.http.chat_parts import MAX_TOOLS, ChatMessage, ContentPart
 from trioserve.http.schemas import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
-    ContentPart,
     StreamOptions,
     make_converter,
     parse_chat_request,
@@ -519,14 +518,14 @@ def _bounded_cases() -> list[tuple[dict, str, str]]:
     chars, total = sampling.MAX_STOP_CHARS, sampling.MAX_STOP_BYTES
     limit = constraints.MAX_CONSTRAINT_CHARS
     big_schema = {"type": "object", "description": "d" * limit}
-    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(schemas.MAX_TOOLS + 1)]
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
     return [
         (chat(stop="x" * (chars + 1)), "stop", f"a stop string may be at most {chars} characters, got {chars + 1}"),
         (chat(stop=["a", "x" * (chars + 1)]), "stop[1]", f"at most {chars} characters, got {chars + 1}"),
         (chat(stop=["é" * chars] * 5), "stop", f"the stop strings may total at most {total} bytes (UTF-8), got {5 * 2 * chars}"),
         (completion(stop=["x" * 3_000_000]), "stop[0]", "got 3000000"),
         (chat(logit_bias={str(i): 1 for i in range(schemas.MAX_LOGIT_BIAS_TOKENS + 1)}), "logit_bias", f"at most {schemas.MAX_LOGIT_BIAS_TOKENS} tokens may be biased, got {schemas.MAX_LOGIT_BIAS_TOKENS + 1}"),
-        (chat(tools=tools), "tools", f"at most {schemas.MAX_TOOLS} tools are allowed, got {schemas.MAX_TOOLS + 1}"),
+        (chat(tools=tools), "tools", f"at most {MAX_TOOLS} tools are allowed, got {MAX_TOOLS + 1}"),
         (chat(guided_regex="a" * (limit + 1)), "guided_regex", f"at most {limit} characters, got {limit + 1}"),
         (completion(guided_grammar="a" * (limit + 1)), "guided_grammar", f"at most {limit} characters"),
         (chat(guided_choice=["x" * (limit // 2 + 1)] * 2), "guided_choice", f"the choices may total at most {limit} characters"),
@@ -553,7 +552,7 @@ def test_sizes_at_the_limits_are_accepted() -> None:
     assert parse_chat_request(chat(stop=stops)).stop == tuple(stops)
     parse_chat_request(chat(stop="é" * chars))
     parse_chat_request(chat(logit_bias={str(i): 1 for i in range(schemas.MAX_LOGIT_BIAS_TOKENS)}))
-    parse_chat_request(chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(schemas.MAX_TOOLS)]))
+    parse_chat_request(chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS)]))
     parse_chat_request(chat(guided_regex="a" * limit))
     parse_chat_request(chat(guided_choice=["x" * (limit // 2)] * 2))
     schema = {"type": "object", "description": "d" * (limit - 50)}

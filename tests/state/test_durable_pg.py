@@ -11,7 +11,8 @@ import pytest
 
 from trioserve.state.durable import SCHEMA_VERSION, StateConflict, StateDB, StateError
 from trioserve.state.durable_pg import PostgresStateDB, safe_url
-from trioserve.state.session_store import SessionNotFound, SessionStore, Turn
+from trioserve.state.session import SessionNotFound, Turn
+from trioserve.state.session_store import SessionStore
 
 
 def _turn(text: str, index: int) -> Turn:

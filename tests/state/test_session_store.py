@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from trioserve.state.session_store import Quota, QuotaExceeded, SessionBusy, SessionNotFound, SessionStore, StaleTurn, Turn
+from trioserve.state.session import Quota, QuotaExceeded, SessionBusy, SessionNotFound, StaleTurn, Turn
+from trioserve.state.session_store import SessionStore
 
 
 def reply(text: str, draw_end: int = 0) -> Turn:

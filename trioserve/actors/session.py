@@ -45,7 +45,8 @@ import trio
 
 from trioserve.actors.messages import deliver
 from trioserve.errors import EngineClosed
-from trioserve.state.session_store import Session, SessionStore, Turn, TurnLease
+from trioserve.state.session import Session, Turn, TurnLease
+from trioserve.state.session_store import SessionStore
 
 
 class Engine(Protocol):

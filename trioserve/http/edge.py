@@ -23,15 +23,16 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from trioserve.config import ServerSettings
 from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai
+from trioserve.http.chat_parts import Tool, ToolChoice, tools_offered
 from trioserve.http.errors import HTTPError
 from trioserve.http.registry import Model
-from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, Tool, ToolChoice, one_call_only, tools_offered
+from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, one_call_only
 from trioserve.http.structuring import check_json_body
 from trioserve.http.tenants import ANONYMOUS, Tenants
 from trioserve.http.tools import off_loop
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.models.output_parser import CALL_CLOSE
-from trioserve.state.session_store import Quota
+from trioserve.state.session import Quota
 from trioserve.types import SamplingParams, fold_seed
 
 BIG_BODY = 64 << 10  # bodies larger than this are decoded in a thread

@@ -9,7 +9,7 @@ import math
 from quart import Response
 
 from trioserve.state.durable import StateConflict, StateError
-from trioserve.state.session_store import QuotaExceeded, SessionBusy, SessionNotFound
+from trioserve.state.session import QuotaExceeded, SessionBusy, SessionNotFound
 
 from trioserve.errors import ChatTemplateError, EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge, TrioserveError
 

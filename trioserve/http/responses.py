@@ -43,7 +43,8 @@ from trioserve.http.schemas import parse_chat_request
 from trioserve.http.structuring import short
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.models.output_parser import Delta
-from trioserve.state.session_store import SessionNotFound, SessionStore, compact_json
+from trioserve.state.session import SessionNotFound, compact_json
+from trioserve.state.session_store import SessionStore
 from trioserve.types import Event, FinalEvent
 
 # --- the output

@@ -19,22 +19,23 @@ constraints (regex, grammar, choices, JSON schemas; http/constraints.py
 parses and bounds those). Text that only becomes prompt tokens is bounded
 by the body size and the model's context.
 
-`sampling_params` (trioserve/http/edge.py) maps a parsed request onto the
-engine's `SamplingParams`.
+The records of a chat request's messages and tools, and their checks, are
+http/chat_parts.py's. `sampling_params` (trioserve/http/edge.py) maps a
+parsed request onto the engine's `SamplingParams`.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 import attrs
 import cattrs
 from cattrs.errors import BaseValidationError
 
 from trioserve.errors import RequestError
+from trioserve.http.chat_parts import CalledFunction, ChatMessage, ContentPart, FunctionDef, MessageToolCall, Tool, ToolChoice, parse_tool_choice, tool_count, tools_offered
 from trioserve.http.constraints import MAX_CONSTRAINT_CHARS, ResponseFormat, constraint_text, given_constraints, parse_choices, parse_json_object, parse_response_format, schema_size
 from trioserve.http.structuring import Check, Invalid, Nested, field, got, is_int, num, raise_request_error, short, strict_converter
 from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, RANGES, Range
@@ -42,7 +43,7 @@ from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MA
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries in logit_bias (the sampler walks them every step)
-MAX_TOOLS = 128  # as OpenAI allows
+MAX_CACHE_SALT_CHARS = 256
 
 
 # --- per-field checks and parsers, declared in field metadata (structuring.field)
@@ -83,11 +84,6 @@ def _not_empty(value: tuple) -> None:
         raise Invalid("must not be empty")
 
 
-def _only_text(value: str) -> None:
-    if value != "text":
-        raise Invalid(f"only 'text' parts are supported, got {short(value)}")
-
-
 def _completion_logprobs(value: int) -> None:
     if value < 0:
         raise Invalid(f"must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {num(value)}")
@@ -95,12 +91,9 @@ def _completion_logprobs(value: int) -> None:
         raise Invalid(f"at most {MAX_COMPLETION_LOGPROBS} log probabilities per token are supported, got {num(value)}")
 
 
-def _parse_content(value: object, converter: cattrs.Converter) -> str | tuple[ContentPart, ...] | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return converter.structure(value, tuple[ContentPart, ...])
-    raise Invalid(f"expected a string or a list of content parts, got {got(value)}")
+def _cache_salt(value: str) -> None:
+    if not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise Invalid(f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
 
 
 def _stop_text(text: str, at: str = "") -> None:
@@ -194,116 +187,7 @@ def _parse_logit_bias(value: object, _: cattrs.Converter) -> dict[int, float] | 
     return biases
 
 
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _function_name(value: str) -> None:
-    if not _FUNCTION_NAME.fullmatch(value):
-        raise Invalid(f"a function name is 1 to 64 letters, digits, '_', '.' or '-', got {short(value)}")
-
-
-def _object_schema(value: dict) -> None:
-    if "type" in value and value["type"] != "object":
-        raise Invalid(f"must be a JSON schema of an object (type 'object'), got type {got(value['type'])}")
-
-
-def _tool_parameters(value: dict) -> None:
-    _object_schema(value)
-    schema_size(value)
-
-
-def _tool_count(value: tuple) -> None:
-    if len(value) > MAX_TOOLS:
-        raise Invalid(f"at most {MAX_TOOLS} tools are allowed, got {len(value)}")
-
-
-def _parse_tool_choice(value: object, _: cattrs.Converter) -> ToolChoice | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value not in ("none", "auto", "required"):
-            raise Invalid(f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {got(value)}")
-        return ToolChoice(value)
-    if not isinstance(value, dict):
-        raise Invalid(f"expected a string or an object, got {got(value)}")
-    if value.get("type") != "function":
-        raise Invalid(f"must be 'function', got {got(value.get('type'))}", at="type")
-    function = value.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise Invalid("expected an object with the function's name", at="function")
-    return ToolChoice("function", function["name"])
-
-
-# --- the records
-
-
-@attrs.frozen
-class ContentPart:
-    """One part of a message's content; only text parts are supported."""
-
-    type: str = field(check=_only_text)
-    text: str = field()
-
-
-@attrs.frozen
-class CalledFunction:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-@attrs.frozen
-class MessageToolCall:
-    """A call an earlier assistant message made (sent back in the history)."""
-
-    id: str
-    function: CalledFunction
-    type: Literal["function"] = "function"
-
-
-@attrs.frozen
-class FunctionDef:
-    name: str = field(check=_function_name)
-    description: str | None = None
-    parameters: dict | None = field(None, parse=parse_json_object, check=_tool_parameters)  # a JSON schema
-    strict: bool | None = None
-
-
-@attrs.frozen
-class Tool:
-    function: FunctionDef
-    type: Literal["function"] = "function"
-
-
-@attrs.frozen
-class ToolChoice:
-    mode: Literal["none", "auto", "required", "function"]
-    name: str | None = None  # the function, when mode is "function"
-
-
-MAX_CACHE_SALT_CHARS = 256
-
-
-def _cache_salt(value: str) -> None:
-    if not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
-        raise Invalid(f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
-
-
-@attrs.frozen
-class ChatMessage:
-    # "developer" is OpenAI's newer name for "system"; templates see "system" (tools.message_dict).
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | tuple[ContentPart, ...] | None = field(None, parse=_parse_content)
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: tuple[MessageToolCall, ...] | None = None
-
-    def text(self) -> str:
-        """The content as one string: parts joined by newlines, None as ""."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
+# --- the records (a chat request's messages and tools are http/chat_parts.py's)
 
 
 @attrs.frozen
@@ -336,8 +220,8 @@ class ChatCompletionRequest:
     user: str | None = None
     cache_salt: str | None = field(None, check=_cache_salt)  # vLLM's: share cached prompt blocks only with the same salt
     ignore_eos: bool = False  # an extension (vLLM has it)
-    tools: tuple[Tool, ...] | None = field(None, check=_tool_count)
-    tool_choice: ToolChoice | None = field(None, parse=_parse_tool_choice)
+    tools: tuple[Tool, ...] | None = field(None, check=tool_count)
+    tool_choice: ToolChoice | None = field(None, parse=parse_tool_choice)
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = field(None, parse=parse_response_format)
     # Guided decoding extensions (vLLM's names); at most one constraint per request.
@@ -471,11 +355,6 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
         # extensions constrain this very reply, so they cannot.
         _refuse(constraints[0], "cannot be combined with a tool_choice that forces a call")
     return request
-
-
-def tools_offered(tools: tuple[Tool, ...] | None, choice: ToolChoice | None) -> bool:
-    """Whether the model is shown tools (and its calls are parsed)."""
-    return bool(tools) and (choice is None or choice.mode != "none")
 
 
 def one_call_only(request: ChatCompletionRequest) -> bool:

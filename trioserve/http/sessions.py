@@ -44,7 +44,8 @@ from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.schemas import parse_chat_request
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.durable import StateConflict
-from trioserve.state.session_store import Session, SessionStore, Turn
+from trioserve.state.session import Session, Turn
+from trioserve.state.session_store import SessionStore
 
 # Chat fields a session keeps as defaults for its turns.
 SETTINGS = (

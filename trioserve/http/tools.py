@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 import trio
 
 from trioserve.errors import RequestError
+from trioserve.http.chat_parts import ChatMessage, Tool, ToolChoice, tools_offered
 from trioserve.http.constraints import guide_spec
-from trioserve.http.schemas import ChatMessage, Tool, ToolChoice, tools_offered
 from trioserve.models.chat_template import ChatTemplate, SpecialTextShield
 from trioserve.models.guided import GuideSpec
 from trioserve.models.output_parser import CALL_CLOSE, CALL_OPEN
