@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -337,7 +338,7 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     core = new_core(settings, checkpoint.tokenizer)
     writer = None
     if config.record_dir is not None:
-        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings, model.kernels.activations, model.kv_dtype)
+        writer = await trio.to_thread.run_sync(_open_trace, config, checkpoint, settings, model)
         core = Recording(core, writer)
     worker_send, worker_recv = trio.open_memory_channel[StepRequest](1)
     inbox_send, inbox_recv = trio.open_memory_channel[SchedulerMessage](config.channel_size)
@@ -416,10 +417,24 @@ def describe_compute(card: dict[str, object]) -> str:
     return f"{card['device']}, {card['dtype']}{pool}, {card['kernels']} kernels{isa}, {card['activations']} activations{threads}"
 
 
-def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, activations: str, kv_dtype: torch.dtype) -> TraceWriter:
+def cpu_class(model: LlamaModel) -> dict[str, object]:
+    """What a model's bits may depend on besides its settings, for a trace's
+    header: the machine's architecture, torch's CPU capability (the vector
+    width of its own operations), the C kernels' instruction sets, and how
+    the model computes (`compute_card`: kernels, dtype, activations,
+    weights). core/replay.py compares it with the replaying machine's."""
+    card = compute_card(model)
+    card.pop("threads", None)
+    card.pop("device", None)
+    return {"arch": platform.machine(), "torch": torch.backends.cpu.get_cpu_capability(), **card}
+
+
+def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, model: LlamaModel) -> TraceWriter:
     """A new trace file in config.record_dir, its header written (blocking:
-    hashes the checkpoint). ``activations``: what the model runs (a model
-    handed to the engine may not have the config's)."""
+    hashes the checkpoint), with the CPU class it runs on (`cpu_class`) and
+    the activations the model runs (a model handed to the engine may not
+    have the config's)."""
+    activations, kv_dtype = model.kernels.activations, model.kv_dtype
     head = header(
         settings,
         checkpoint_path=str(checkpoint.path),
@@ -434,6 +449,7 @@ def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSett
             "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         },
         vocab_size=checkpoint.tokenizer.vocab_size,
+        cpu=cpu_class(model) if model.device.type == "cpu" else None,
     )
     return TraceWriter(new_trace_path(config.record_dir), head)
 

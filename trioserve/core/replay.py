@@ -10,14 +10,29 @@ Model mode (``--model``) also re-runs every planned step on the real model
 with the recorded engine settings, samples it as the server does, and
 checks that each step gives the recorded tokens, draws and logprobs.
 
+Another CPU class. The header names the class the trace ran on
+(engine.cpu_class: torch's CPU capability, the C kernels' instruction
+sets). On the default path (int8 activations, the fixed-order sampler)
+every class gives the same bits, so the replay runs here as it is. Where a
+step's result differs and the trace came from another class, the replay
+runs again at the recorded level, in a child process with torch's
+capability and the kernels' level pinned (`ATEN_CPU_CAPABILITY`,
+`TRIOSERVE_CPU_FEATURES`), when this CPU can run it (a wider CPU runs a
+narrower one's path); when it cannot, the replay ends with status 3 and one
+line saying so. A trace from before headers named their class is tried at
+each of torch's levels this CPU can run before a difference is reported.
+
 Exit status: 0 when everything is identical; 1 at the first difference,
 after printing the request, the step, and the expected and actual output;
 2 when the trace cannot be replayed (unreadable, truncated or corrupt line,
 another trace version or trioserve version, another checkpoint), with one
-line naming the line of the file."""
+line naming the line of the file; 3 when it came from another CPU class
+whose level this CPU cannot run (docs/replay.md)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +89,8 @@ class Summary:
     finals: int = 0
     model_steps: int = 0  # steps re-run on the model
     difference: Difference | None = None
+    recorded_cpu: dict | None = None  # the header's CPU class (None: not named)
+    here_cpu: dict | None = None  # the class the model ran on here (model mode)
 
     def report(self, mode: str) -> str:
         checked = f"{self.steps} steps" + (f" ({self.model_steps} re-run on the model)" if mode == "model" else "")
@@ -109,7 +126,7 @@ def _replay(reader, path, *, checkpoint, model: bool, runner_factory) -> Summary
     runner = None
     if model:
         runner = (runner_factory or model_runner)(head, source)
-    summary = Summary()
+    summary = Summary(recorded_cpu=head.get("cpu"), here_cpu=getattr(runner, "cpu", None))
     pending: dict[int, StepResult] = {}  # step -> what the model gave, until its recorded result line
     for number, record in reader:
         summary.lines += 1
@@ -249,11 +266,24 @@ def _load_tokenizer(path, head: dict, source):
     return tokenizer, compile_guide
 
 
+class ModelSteps:
+    """A model's StepRunner as a RunStep, with the CPU class it runs on."""
+
+    def __init__(self, run: RunStep, cpu: dict | None) -> None:
+        self.run = run
+        self.cpu = cpu
+
+    def __call__(self, plan: StepPlan) -> StepResult:
+        return self.run(plan)
+
+
 def model_runner(head: dict, source) -> RunStep:
     """Runs planned steps as the server does (models/step_runner.py), with the
     recorded engine settings (dtype, 4-bit weights, device, block size,
-    batch-invariant arithmetic)."""
-    from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415 - heavy imports, only in model mode
+    batch-invariant arithmetic) and the recorded sampler arithmetic."""
+    from trioserve.engine import cpu_class  # noqa: PLC0415 - heavy imports, only in model mode
+    from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415
+    from trioserve.kernels.sampler_math import NUMERICS  # noqa: PLC0415
     from trioserve.models.checkpoint import load_checkpoint  # noqa: PLC0415
     from trioserve.models.guided import GuideCompiler  # noqa: PLC0415
     from trioserve.models.llama import LlamaModel  # noqa: PLC0415
@@ -262,15 +292,134 @@ def model_runner(head: dict, source) -> RunStep:
     engine, core = head["engine"], head["core"]
     checkpoint = load_checkpoint(source, dtype=resolve_dtype(engine["dtype"], engine["device"]))
     # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic;
-    # traces from before --activations ran bf16 activations.
+    # traces from before --activations ran bf16 activations; traces from before #47 sampled with torch's arithmetic.
     invariant = bool(engine.get("batch_invariant", False))
     model = LlamaModel.from_checkpoint(
         checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto"),
         activations=engine.get("activations", "bf16"), kv_dtype=resolve_kv_dtype(engine.get("kv_cache_dtype", "auto")),
     )  # fmt: skip
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
-    runner = StepRunner(model, cache, vocab_size=checkpoint.tokenizer.vocab_size, guides=GuideCompiler(checkpoint.tokenizer))
-    return runner.run
+    numerics = NUMERICS[head.get("sampler", "torch")]
+    runner = StepRunner(model, cache, vocab_size=checkpoint.tokenizer.vocab_size, guides=GuideCompiler(checkpoint.tokenizer), numerics=numerics)
+    return ModelSteps(runner.run, cpu_class(model) if model.device.type == "cpu" else None)
+
+
+# -- another CPU class ----------------------------------------------------------
+PINNED_ENV = "TRIOSERVE_REPLAY_PINNED"  # set in the child that replays at a recorded level: no further tries
+OTHER_CLASS = 3  # the exit status for a trace from a class this CPU cannot run
+CHILD_TIMEOUT_S = 6 * 3600.0  # a replay at another level may re-run a long trace
+# torch's CPU capabilities on x86 (widest first), the CPU flags each needs,
+# and the oneDNN instruction set that goes with each in a pinned replay.
+ATEN_LEVELS = {"AVX512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "AVX2": ("avx2", "fma"), "DEFAULT": ()}
+ONEDNN_ISA = {"AVX512": "AVX512_CORE_BF16", "AVX2": "AVX2", "DEFAULT": "SSE41"}
+# The C kernels' instruction sets (native.isa()) that a level of TRIOSERVE_CPU_FEATURES builds by name.
+NAMED_LEVELS = ("avx2", "avx2-vnni", "generic")
+
+
+def describe_class(cpu: dict | None) -> str:
+    if not cpu:
+        return "an unnamed CPU class"
+    kernels = cpu.get("cpu_kernels") or f"{cpu.get('kernels')} kernels"
+    return f"{cpu.get('arch')}, torch {cpu.get('torch')}, C kernels {kernels}"
+
+
+def _same_class(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("arch", "torch", "cpu_kernels"))
+
+
+def _aten_levels_here() -> list[str]:
+    """torch's capabilities this CPU can run, widest first."""
+    import platform  # noqa: PLC0415
+
+    from trioserve.kernels.cpu import cpu_flags  # noqa: PLC0415
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_flags()
+    return [level for level, needs in ATEN_LEVELS.items() if all(f in flags for f in needs)]
+
+
+def _recorded_level(recorded: dict, here: dict) -> tuple[dict[str, str] | None, str]:
+    """The environment that runs ``recorded``'s level here, or None and why it cannot be run."""
+    from trioserve.kernels.cpu import level_fits  # noqa: PLC0415
+
+    if recorded.get("arch") != here.get("arch"):
+        return None, f"it ran on {recorded.get('arch')}"
+    env: dict[str, str] = {}
+    aten = recorded.get("torch")
+    if aten != here.get("torch"):
+        if aten not in _aten_levels_here():
+            return None, f"torch's {aten} level needs instructions this CPU lacks"
+        env["ATEN_CPU_CAPABILITY"] = aten.lower()
+        env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[aten]
+    isa = recorded.get("cpu_kernels")
+    if isa != here.get("cpu_kernels"):
+        if isa in NAMED_LEVELS and not level_fits(isa):
+            env["TRIOSERVE_CPU_FEATURES"] = isa
+        elif isa is not None and isa == _native_isa():
+            env["TRIOSERVE_CPU_FEATURES"] = "native"
+        else:
+            return None, f"the C kernels' {isa} level is not one this CPU runs"
+    return env, ""
+
+
+def _native_isa() -> str | None:
+    from trioserve.kernels import native_build  # noqa: PLC0415
+
+    lib = native_build.library_at("native")
+    return None if lib is None else lib.trioserve_isa().decode()
+
+
+def _replay_at(trace: str, checkpoint: str | None, env: dict[str, str]) -> tuple[int, str, str]:
+    """`trioserve replay --model` in a child process with ``env`` added (torch
+    reads its capability once, when it starts): its status, stdout and stderr."""
+    command = [sys.executable, "-m", "trioserve", "replay", str(trace), "--model"]
+    if checkpoint is not None:
+        command += ["--checkpoint", str(checkpoint)]
+    done = subprocess.run(
+        command, env={**os.environ, **env, PINNED_ENV: "1"}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def _words(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items() if k != "ONEDNN_MAX_CPU_ISA")
+
+
+def _elsewhere(trace: str, checkpoint: str | None, summary: Summary, out: TextIO, err: TextIO) -> int | None:
+    """After a step result differed: replay at the recorded level where this
+    CPU can (its status), say the trace came from a class it cannot run (3),
+    or None when the difference stands (same class, or nothing else to try)."""
+    here, recorded, step = summary.here_cpu, summary.recorded_cpu, summary.difference.step
+    if here is None:
+        return None
+    if recorded is None:  # recorded before headers named the class: try torch's other levels
+        for level in _aten_levels_here():
+            if level == here.get("torch"):
+                continue
+            env = {"ATEN_CPU_CAPABILITY": level.lower(), "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[level]}
+            status, text, _ = _replay_at(trace, checkpoint, env)
+            if status == 0:
+                out.write(text)
+                print(f"replay (model): the trace names no CPU class; identical at {_words(env)} (step {step} differed at {here.get('torch')})", file=out)
+                return 0
+        return None
+    if _same_class(recorded, here):
+        return None
+    env, why = _recorded_level(recorded, here)
+    if env is None:
+        print(
+            f"trioserve replay: {trace} came from another CPU class ({describe_class(recorded)}; here: {describe_class(here)}), "
+            f"whose level this CPU cannot run ({why}); step {step} gave other bits here",
+            file=err,
+        )
+        return OTHER_CLASS
+    status, text, errors = _replay_at(trace, checkpoint, env)
+    out.write(text)
+    err.write(errors)
+    if status == 0:
+        print(f"replay (model): recorded on {describe_class(recorded)}; identical at its level ({_words(env)}); step {step} differed at this CPU's own", file=out)
+    return status
 
 
 def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -285,6 +434,10 @@ def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out:
         print(f"trioserve replay: error: {exc}", file=err)
         return 2
     if summary.difference is not None:
+        if summary.difference.what == "step result" and not os.environ.get(PINNED_ENV):
+            status = _elsewhere(trace, checkpoint, summary, out, err)
+            if status is not None:
+                return status
         print(summary.difference.report(), file=out)
         print(f"replay ({mode}): stopped at the first difference after {summary.report(mode)}", file=out)
         return 1

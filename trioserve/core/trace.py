@@ -215,7 +215,11 @@ def events_json(events: list[Event]) -> list[dict]:
 
 
 # -- writing ------------------------------------------------------------------
-def header(settings: CoreSettings, *, checkpoint_path: str, digest: str, engine: dict, vocab_size: int) -> dict:
+def header(settings: CoreSettings, *, checkpoint_path: str, digest: str, engine: dict, vocab_size: int, cpu: dict | None = None) -> dict:
+    """The first line. "sampler" names the sampler's arithmetic ("fixed":
+    kernels/sampler_math.py; a trace without it sampled with torch's), and
+    "cpu" the class of machine it ran on (engine.cpu_class; absent before
+    traces recorded it, null on a GPU)."""
     return {
         "format": TRACE_FORMAT,
         "version": TRACE_VERSION,
@@ -224,6 +228,8 @@ def header(settings: CoreSettings, *, checkpoint_path: str, digest: str, engine:
         "core": attrs.asdict(settings),
         "engine": engine,
         "vocab_size": vocab_size,
+        "sampler": "fixed",
+        "cpu": cpu,
         "started_unix": time.time(),
     }
 

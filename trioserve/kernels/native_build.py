@@ -37,6 +37,10 @@ from trioserve.kernels.cpu import cpu_flags, level_fits
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# Built together into one library: the forward pass's kernels, the
+# sampler's fixed-order arithmetic, and the header of the exp they share.
+SOURCES = (SOURCE, SOURCE.parent / "sampler.c")
+HEADERS = (SOURCE.parent / "fixed_exp.h",)
 # -ffp-contract=off: no fused multiply-adds, so elementwise kernels round
 # exactly as their torch twins (RoPE is bit-identical to it).
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
@@ -67,7 +71,7 @@ def build(cc: str | None = None, out_dir: Path | None = None, level: str = "nati
     subprocess.SubprocessError on failure."""
     cc = cc or os.environ.get("CC") or "cc"
     flags = (*FLAGS, *LEVELS[level])
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256()
     for part in (source, " ".join(flags).encode(), _compiler_version(cc).encode(), " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
@@ -80,7 +84,7 @@ def build(cc: str | None = None, out_dir: Path | None = None, level: str = "nati
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120, check=True)
+        subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -194,4 +198,17 @@ def library_at(level: str, disable: str | None = None) -> ctypes.CDLL | None:
     fn = lib.trioserve_int6_rows_symmetric
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, ctypes.c_int, ctypes.c_int]
+    # The sampler's fixed-order arithmetic (csrc/sampler.c, kernels/fixed_order.py).
+    fn = lib.trioserve_exp_shifted
+    fn.restype = None
+    fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_int]
+    fn = lib.trioserve_block_sums
+    fn.restype = None
+    fn.argtypes = [_ptr] * 2 + [_i64] * 3 + [ctypes.c_int]
+    fn = lib.trioserve_exp_sums
+    fn.restype = None
+    fn.argtypes = [_ptr] * 3 + [_i64] * 3 + [ctypes.c_int]
+    fn = lib.trioserve_log_softmax
+    fn.restype = None
+    fn.argtypes = [_ptr] * 4 + [_i64] * 2 + [ctypes.c_int]
     return lib

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.kernels.logits import best_logprobs, processed_logits
+from trioserve.kernels.sampler_math import BLOCK, FIXED, Numerics
 from trioserve.models.guided import apply_masks
 from trioserve.types import Sampled, SampleRow, SamplingParams
 
@@ -74,12 +75,16 @@ def new_seed() -> int:
     return secrets.randbits(63)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Tensor | None = None) -> list[Sampled]:
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Tensor | None = None, numerics: Numerics = FIXED
+) -> list[Sampled]:
     """Choose one token for each row of ``logits`` ([R, V], any float dtype)
     following ``rows[r]``; with ``masks`` (an int32 bitmask per row, see
     models.guided), only among the tokens a row's mask allows. Never
     modifies ``logits``. Blocking: call it from a worker thread. Logprobs
-    are the model's own, before any bias, penalty or mask."""
+    are the model's own, before any bias, penalty or mask. Every exp, sum
+    and log is ``numerics``' (kernels/sampler_math.py): the fixed order,
+    the same bits on every CPU, unless a replay asks for torch's."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)
     if raw.dim() != 2 or raw.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(raw.shape)} do not match {len(rows)} rows")
@@ -98,17 +103,17 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Te
     if drawn:
         params = [rows[i].params for i in drawn]
         if len(drawn) == len(rows):
-            weights = _weights(x, params, owned=x is not raw)
+            weights = _weights(x, params, numerics, owned=x is not raw)
         else:
-            weights = _weights(x[drawn], params, owned=True)
+            weights = _weights(x[drawn], params, numerics, owned=True)
         us = [uniform(rows[i].seed, rows[i].draw_index) for i in drawn]
-        for i, token in zip(drawn, _choose_rows(weights, us), strict=True):
+        for i, token in zip(drawn, _choose_rows(weights, us, numerics), strict=True):
             tokens[i] = token
     logprobs: list[float | None] = [None] * len(rows)
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
     if wanted:
-        lp = torch.log_softmax(raw if len(wanted) == len(rows) else raw[wanted], dim=1)
+        lp = numerics.log_softmax(raw if len(wanted) == len(rows) else raw[wanted])
         chosen = lp[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
         longest = max(rows[i].params.top_logprobs for i in wanted)
         if longest:
@@ -126,17 +131,16 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: torch.Te
 
 
 
-def _weights(x: torch.Tensor, params: Sequence[SamplingParams], *, owned: bool) -> torch.Tensor:
+def _weights(x: torch.Tensor, params: Sequence[SamplingParams], numerics: Numerics, *, owned: bool) -> torch.Tensor:
     """Steps 5-8 for non-greedy rows: [S, V] unnormalized probabilities after
     temperature (each row's largest is 1), with the tokens that top-k, top-p
     and min-p drop set to 0. Works in ``x`` itself when ``owned``."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)[:, None]
     w = x.div_(temperature) if owned else x / temperature
-    w -= w.amax(dim=1, keepdim=True)
-    w.exp_()
+    w = numerics.exp_shifted(w, w.amax(dim=1))
     for j, p in enumerate(params):
         if p.top_k or p.top_p < 1.0:
-            _top_k_top_p(w[j], p.top_k, p.top_p)
+            _top_k_top_p(w[j], p.top_k, p.top_p, numerics)
         if p.min_p > 0.0:
             _drop_below(w[j], p.min_p * float(w[j].max()))
     return w
@@ -151,7 +155,13 @@ def _drop_below(row: torch.Tensor, limit: float) -> None:
     F.threshold_(row, float(np.nextafter(least, np.float32(-np.inf))), 0.0)
 
 
-def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> None:
+def _running_sums(values: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along the last axis in float64, first to last (numpy's
+    are sequential: the same bits everywhere)."""
+    return torch.from_numpy(np.cumsum(values.double().numpy(), axis=-1))
+
+
+def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float, numerics: Numerics) -> None:
     """Steps 6 and 7 on one row of weights, in place."""
     vocab = row.numel()
     kept = vocab
@@ -162,24 +172,24 @@ def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> None:
         kept = top_k
         values, ids = values[:kept], ids[:kept]
     if top_p < 1.0:
-        total = values.double().sum() if values is not None else row.sum()  # what top-k kept
-        target = top_p * float(total)
+        total = numerics.ordered_sum(values) if values is not None else numerics.total(row)  # what top-k kept
+        target = top_p * total
         if values is None:
-            values, ids = _largest_reaching(row, target)
-        reached = torch.searchsorted(values.double().cumsum(0), torch.tensor([target], dtype=torch.float64))
+            values, ids = _largest_reaching(row, target, numerics)
+        reached = torch.searchsorted(_running_sums(values), torch.tensor([target], dtype=torch.float64))
         n = int(reached) + 1  # the first n tokens reach the target
         if n < kept:
             _keep_largest(row, n, values, ids)
 
 
-def _largest_reaching(row: torch.Tensor, target: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _largest_reaching(row: torch.Tensor, target: float, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest weights of ``row`` and their ids, largest first, at least
     as many as it takes for their sum to reach ``target``. A language model's
     mass sits in few tokens, so a full sort is rarely needed."""
     n = min(row.numel(), 64)
     while True:
         values, ids = torch.topk(row, n)
-        if n == row.numel() or float(values.sum(dtype=torch.float64)) >= target:
+        if n == row.numel() or numerics.ordered_sum(values) >= target:
             return values, ids
         n = min(row.numel(), n * 8)
 
@@ -199,7 +209,7 @@ def _keep_largest(row: torch.Tensor, n: int, values: torch.Tensor, ids: torch.Te
     row.masked_fill_(~keep, 0.0)
 
 
-_BLOCK = 256  # the draw finds its block of tokens first, then the token in it
+_BLOCK = BLOCK  # the draw finds its block of tokens first, then the token in it
 
 
 def choose(weights: torch.Tensor, u: float) -> int:
@@ -208,22 +218,17 @@ def choose(weights: torch.Tensor, u: float) -> int:
     times the total. Token t is chosen for u in [sum(w[:t]), sum(w[:t + 1]))
     / sum(w), up to rounding (float32 sums of blocks of tokens, float64
     running sums); a token of weight 0 is never chosen."""
-    return _choose_rows(weights[None, :].to(torch.float32), [u])[0]
+    return _choose_rows(weights[None, :].to(torch.float32), [u], FIXED)[0]
 
 
-def _choose_rows(weights: torch.Tensor, us: Sequence[float]) -> list[int]:
+def _choose_rows(weights: torch.Tensor, us: Sequence[float], numerics: Numerics) -> list[int]:
     """`choose` for each row of ``weights`` [S, V] with its own u: find the
     block of _BLOCK tokens that holds the target, then the token within it."""
     rows, vocab = weights.shape
     blocks = -(-vocab // _BLOCK)
     padded = blocks * _BLOCK
-    full = vocab // _BLOCK * _BLOCK
-    # Block sums in float32 (a float64 sum would copy the whole input first);
-    # the running sums over blocks and within the block are in float64.
-    sums = [weights[:, :full].unflatten(1, (-1, _BLOCK)).sum(2)]
-    if full < vocab:
-        sums.append(weights[:, full:].sum(1, keepdim=True))
-    block_cum = torch.cat(sums, dim=1).double().cumsum(1)
+    # Block sums and running sums in float64, in the fixed order.
+    block_cum = _running_sums(numerics.block_sums(weights, _BLOCK))
     target = torch.tensor(us, dtype=torch.float64)[:, None] * block_cum[:, -1:]
     block = torch.searchsorted(block_cum, target, right=True).clamp_(max=blocks - 1)
     base = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), 0.0)
@@ -231,7 +236,7 @@ def _choose_rows(weights: torch.Tensor, us: Sequence[float]) -> list[int]:
     local = weights.gather(1, where.clamp(max=vocab - 1)).double()
     if padded > vocab:
         local.masked_fill_(where >= vocab, 0.0)
-    local = local.cumsum(1) + base
+    local = _running_sums(local) + base
     offset = torch.searchsorted(local, target, right=True).flatten().tolist()
     picked = (block.flatten() * _BLOCK).tolist()
     for j in range(rows):

@@ -5,7 +5,7 @@ the step runner calls it in the device thread on the logits of a prefill
 (models/step_runner.py), a slice of rows at a time.
 
 The numbers are the sampler's (models/sampling.py): the log_softmax of the
-raw float32 logits over the tokenizer's vocabulary, row by row, and the
+raw float32 logits (kernels/sampler_math.py, the same bits on every CPU) over the tokenizer's vocabulary, row by row, and the
 same top list with ties taken by lowest id. So the score of prompt token
 k + 1 is, bit for bit, the logprob a request with the first k + 1 prompt
 tokens as its prompt reports for that token when it generates it: the
@@ -19,10 +19,13 @@ from collections.abc import Sequence
 import torch
 
 from trioserve.kernels.logits import best_logprobs
+from trioserve.kernels.sampler_math import FIXED, Numerics
 from trioserve.types import PromptLogprob
 
 
-def score_rows(logits: torch.Tensor, targets: Sequence[int], top: Sequence[int], vocab_size: int) -> list[PromptLogprob]:
+def score_rows(
+    logits: torch.Tensor, targets: Sequence[int], top: Sequence[int], vocab_size: int, numerics: Numerics = FIXED
+) -> list[PromptLogprob]:
     """One PromptLogprob per row of ``logits`` ([R, V] on any device, any
     float dtype): row r scores token ``targets[r]`` and lists the
     ``top[r]`` likeliest tokens."""
@@ -30,7 +33,7 @@ def score_rows(logits: torch.Tensor, targets: Sequence[int], top: Sequence[int],
     if logits.dim() != 2 or logits.shape[0] != rows or len(top) != rows:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {rows} scored rows")
     raw = logits.detach().to(device="cpu", dtype=torch.float32)[:, :vocab_size]
-    lp = torch.log_softmax(raw, dim=1)
+    lp = numerics.log_softmax(raw.contiguous())
     target = torch.tensor(list(targets), dtype=torch.long)
     chosen = lp.gather(1, target[:, None])
     # Rank 1 is the likeliest; a token tied with others ranks after them all.

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from trioserve.kernels.cpu import ThreadGovernor
+from trioserve.kernels.sampler_math import FIXED, Numerics
 from trioserve.models.guided import GuideCompiler
 from trioserve.models.sampling import sample_rows
 from trioserve.models.scoring import score_rows
@@ -66,8 +67,12 @@ class StepRunner:
     how long the forward pass took (only for a model whose bits do not
     depend on them: `thread_governor`)."""
 
-    def __init__(self, model, cache, *, vocab_size: int, guides: GuideCompiler | None = None, governor: ThreadGovernor | None = None):
+    def __init__(
+        self, model, cache, *, vocab_size: int, guides: GuideCompiler | None = None, governor: ThreadGovernor | None = None,
+        numerics: Numerics = FIXED,
+    ):  # fmt: skip
         self.model = model
+        self.numerics = numerics  # the sampler's arithmetic (kernels/sampler_math.py); a replay may ask for torch's
         self.cache = cache
         self.block_size = cache.block_size
         self.vocab_size = vocab_size
@@ -142,7 +147,7 @@ class StepRunner:
         def scored(logits: torch.Tensor) -> None:
             k = len(scores)
             n = logits.shape[0]
-            scores.extend(score_rows(logits, targets[k : k + n], tops[k : k + n], self.vocab_size))
+            scores.extend(score_rows(logits, targets[k : k + n], tops[k : k + n], self.vocab_size, self.numerics))
 
         heads = batch.last_index.index_select(0, torch.tensor(index, dtype=torch.long, device=device))
         hidden_rows = torch.tensor(pooled_at, dtype=torch.long, device=device) if counts else None
@@ -172,7 +177,7 @@ class StepRunner:
             except Exception as exc:  # noqa: BLE001 - the step fails its sampling rows with it
                 return StepResult(plan.number, failed=f"the output constraint failed: {exc}")
         try:
-            picked = sample_rows(logits, samples, masks)
+            picked = sample_rows(logits, samples, masks, self.numerics)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails those rows
             return StepResult(plan.number, failed=f"sampling failed: {type(exc).__name__}: {exc}")
         return StepResult(plan.number, sampled=accept(rows, picked))
