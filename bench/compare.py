@@ -402,9 +402,9 @@ def run(args) -> int:
         entry: dict = {}
         levels[str(c)] = entry
         for name in names:
-            idle = wait_quiet(QUIET_LIMIT_S)  # before the port is picked, so that it is free when the server binds it
+            idle = wait_quiet(args.quiet_wait)  # before the port is picked, so that it is free when the server binds it
             if idle < QUIET_IDLE:
-                print(f"[{name} c={c}] note: the machine was still busy before this server started ({idle:.0%} idle after {QUIET_LIMIT_S:.0f} s)", flush=True)
+                print(f"[{name} c={c}] note: the machine was still busy before this server started ({idle:.0%} idle after {args.quiet_wait:.0f} s)", flush=True)
             port = free_port()
             argv = expand(commands[name], port=port, model=model, threads=args.threads, extra=extras[name])
             server = Server(name, argv, port, args.log_dir / f"{name}-c{c}.log")
@@ -482,6 +482,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of one warm-up request per server start; 0: none (default 16)")
     p.add_argument("--startup-timeout", type=positive_float, default=180.0, help="seconds a server gets to answer GET /v1/models (default 180)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--quiet-wait", type=float, default=QUIET_LIMIT_S,
+                   help=f"the most seconds to wait for a quiet machine before each server starts; 0: start at once (default {QUIET_LIMIT_S:.0f})")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompts' filler words (default 0)")
     p.add_argument("--only", choices=SERVERS, help="run one of the two servers only")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default bench/out/compare-<time>/)")
