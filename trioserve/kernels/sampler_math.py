@@ -54,8 +54,8 @@ def log_fixed(s: float) -> float:
     ~1 ulp): s = f 2^k with f in [sqrt(1/2), sqrt(2)), and log f =
     2 atanh((f - 1) / (f + 1)) by its series. Python floats round as C's
     doubles do, so this is the same number everywhere."""
-    if not s > 0.0 or math.isinf(s):
-        return math.log(s) if s >= 0.0 else math.nan
+    if not s > 0.0 or math.isinf(s):  # 0: -inf; inf: inf; negative or NaN: NaN
+        return -math.inf if s == 0.0 else s if s == math.inf else math.nan
     f, k = math.frexp(s)
     if f < _SQRT_HALF:
         f *= 2.0
