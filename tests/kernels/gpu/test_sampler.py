@@ -1,5 +1,8 @@
 """The sampler kernel (kernels/gpu/sampler.py) against the reference sampler
-(models/sampling.py): the same token for every case, exactly.
+(models/sampling.py) with the arithmetic the kernel follows, torch's
+(kernels/sampler_math.TORCH; the CPU's own default since #47 is the fixed
+order, which the kernel does not follow yet): the same token for every
+case, exactly.
 
 Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py);
 the 1,000 random cases go in five launches of 200 rows, one per vocabulary
@@ -20,6 +23,7 @@ import triton.language as tl
 
 from trioserve.kernels.gpu import sampler as gpu
 from trioserve.kernels.gpu.sampler_math import torch_order_sum, uniform
+from trioserve.kernels.sampler_math import TORCH
 from trioserve.models import sampling
 from trioserve.types import SampleRow, SamplingParams
 
@@ -142,7 +146,7 @@ def test_the_kernel_picks_the_reference_token(vocab, host_steps):
     without, through `sample_tokens` and a bool mask."""
     logits, rows, allow = _cases(vocab, 200, seed=vocab, host_steps=host_steps)
     masks = _bitmask(allow)
-    expected = [s.token for s in sampling.sample_rows(logits, rows, masks)]
+    expected = [s.token for s in sampling.sample_rows(logits, rows, masks, numerics=TORCH)]
     if host_steps:
         got = [s.token for s in gpu.sample_rows(logits.to(DEVICE), rows, masks)]
     else:
@@ -166,7 +170,7 @@ def test_gpu_blocking_gives_the_same_tokens(monkeypatch):
     save the interpreter's time) on a vocabulary of three tiles, the last
     one ragged."""
     logits, rows, allow = _cases(2100, 6, seed=3, host_steps=False)
-    expected = [s.token for s in sampling.sample_rows(logits, rows, _bitmask(allow))]
+    expected = [s.token for s in sampling.sample_rows(logits, rows, _bitmask(allow), numerics=TORCH)]
     monkeypatch.setattr(gpu, "launch_blocks", lambda rows, vocab, device: (2, 1024, 4))
     assert [s.token for s in gpu.sample_rows(logits.to(DEVICE), rows, _bitmask(allow))] == expected
 
@@ -205,7 +209,7 @@ def test_top_p_mass_is_summed_in_torchs_order():
     draws = [i for i in range(2000) if sampling.uniform(seed, i) > 0.975][:10]
     rows = [SampleRow(params=SamplingParams(top_p=p), seed=seed, draw_index=i) for p in (drop, keep) for i in draws]
     logits = x.expand(len(rows), -1).contiguous()
-    expected = [s.token for s in sampling.sample_rows(logits, rows)]
+    expected = [s.token for s in sampling.sample_rows(logits, rows, numerics=TORCH)]
     assert expected == [7] * len(draws) + [8] * len(draws)
     assert [s.token for s in gpu.sample_rows(logits.to(DEVICE), rows)] == expected
 
@@ -240,7 +244,7 @@ def test_the_draws_block_sums_are_summed_in_torchs_order():
             break
     assert found is not None, "no draw lands between the two sums"
     rows = [SampleRow(params=SamplingParams(), seed=seed, draw_index=found)]
-    assert [s.token for s in sampling.sample_rows(x[None], rows)] == [300]
+    assert [s.token for s in sampling.sample_rows(x[None], rows, numerics=TORCH)] == [300]
     assert [s.token for s in gpu.sample_rows(x[None].to(DEVICE), rows)] == [300]
 
 
@@ -250,7 +254,7 @@ def test_ties_keep_the_lowest_ids():
     rows += [SampleRow(params=SamplingParams(top_k=3), seed=2, draw_index=i) for i in range(3)]
     tokens = [s.token for s in gpu.sample_rows(flat.to(DEVICE), rows)]
     assert tokens[0] == 0 and set(tokens[1:]) <= {0, 1, 2}
-    assert tokens == [s.token for s in sampling.sample_rows(flat, rows)]
+    assert tokens == [s.token for s in sampling.sample_rows(flat, rows, numerics=TORCH)]
 
 
 def test_the_wrapper_returns_what_the_reference_returns():
@@ -260,7 +264,7 @@ def test_the_wrapper_returns_what_the_reference_returns():
         SampleRow(params=SamplingParams(temperature=t, logprobs=True, top_logprobs=n), seed=5, draw_index=i)
         for i, (t, n) in enumerate([(0.0, 0), (0.0, 3), (1.0, 5), (0.7, 0), (1.0, 20), (2.0, 1)])
     ]
-    assert gpu.sample_rows(logits.to(DEVICE), rows) == sampling.sample_rows(logits, rows)
+    assert gpu.sample_rows(logits.to(DEVICE), rows) == sampling.sample_rows(logits, rows, numerics=TORCH)
 
 
 def test_bad_inputs_are_refused():
