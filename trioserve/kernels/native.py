@@ -261,16 +261,16 @@ def int4_supported(n: int, k: int) -> bool:
 
 def int8_supported(n: int, k: int) -> bool:
     """Whether `int8_matmul` runs here for a [n, k] weight: the kernels
-    built, for a CPU with AVX-512 BF16 or with AVX2, FMA and F16C (the same
-    bits), n a multiple of 32 and k even."""
+    built (every level has it: AVX-512 BF16, AVX2 with FMA and F16C, NEON,
+    plain C; the same bits on each), n a multiple of 32 and k even."""
     lib = native_build.library()
     return n > 0 and k > 0 and n % 32 == 0 and k % 2 == 0 and lib is not None and bool(lib.trioserve_int8_available())
 
 
 def int4_q8_supported(n: int, k: int) -> bool:
     """Whether `int4_q8_matmul` runs here for a [n, k] weight: the kernels
-    built, for a CPU with AVX-512 VNNI and BF16 or with AVX2, FMA and F16C,
-    n a multiple of 16 and k of 32."""
+    built (every level has it: AVX-512 VNNI, AVX2, NEON with dotprod, plain
+    C; the same bits on each), n a multiple of 16 and k of 32."""
     lib = native_build.library()
     return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0 and lib is not None and bool(lib.trioserve_int4_q8_available())
 

@@ -10,10 +10,11 @@
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; AVX-512
- *                               BF16, or AVX2 with the same bits)
+ *                               BF16, AVX2, NEON or plain C, the same bits on each)
  *   trioserve_int4_q8_matmul    rows rounded to 8 bits per block times GGUF 4-bit weights with integer
- *                               dot products (AVX-512 VNNI, or AVX2 with or without AVX-VNNI; the same
- *                               bits on each; `--activations int8`)
+ *                               dot products (AVX-512 VNNI, AVX2 with or without AVX-VNNI, NEON with sdot,
+ *                               or plain C; the same bits on each; `--activations int8`), and the 6- and
+ *                               8-bit codes' kernels after it, alike
  *
  * Every kernel computes a row from that row alone, so its result is the
  * same bits in any company (batch invariance). */
@@ -880,6 +881,44 @@ int trioserve_rope_write_kv(const void *qkv, const int64_t *positions, const flo
     return 0;
 }
 
+/* fma(a, b, c) for the integer kernels' plain C builds: a b + c rounded
+ * once to fp32, an FMA instruction's bits. Where the compiler has the
+ * instruction (ARM64, x86 with FMA), C99 `fmaf` is that instruction. Else
+ * (the generic x86-64 build) `fmaf` is a library call, and in glibc, on a
+ * CPU without FMA (the CPUs that build is for), a slow one: the 4-bit
+ * kernel took ~7x as long with it. So there it is computed in double:
+ * p = a b is exact (24 + 24 bits), and s = p + c rounded to double rounds
+ * to float as the exact sum does unless s is a float midpoint (the 29
+ * bits below a float's last are 1000...0) or lies among the float
+ * subnormals: then t, the exact error of s (Knuth's two-sum), is found,
+ * and s rounded to odd (where t != 0, the one of s and its neighbour
+ * towards t whose last bit is 1), which keeps the exact sum's rounding to
+ * any precision of 51 bits or fewer, so the cast rounds as the exact sum
+ * would (Boldo and Melquiond, "Emulation of a FMA and correctly-rounded
+ * sums: proved algorithms using rounding to odd", IEEE Trans. Computers,
+ * 2008). Infinite and NaN sums are cast as they are. Checked against the
+ * FMA instruction on 3 x 10^8 random and 3 x 10^7 crafted near-midpoint
+ * operands (10^7 of them through the rounding to odd; casting the double
+ * sum alone is wrong in ~10^5), and by the kernels' tests. */
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+static inline __attribute__((unused)) float g_fma(float a, float b, float c) { return fmaf(a, b, c); }
+#else
+static inline __attribute__((unused)) float g_fma(float a, float b, float c) {
+    const double p = (double)a * (double)b, s = p + (double)c;
+    uint64_t bits;
+    memcpy(&bits, &s, sizeof bits);
+    if (__builtin_expect((bits & 0x1fffffffu) != 0x10000000u && !(fabs(s) < 0x1p-126 && s != 0.0), 1)) return (float)s;
+    const double z = s - p, t = (p - (s - z)) + ((double)c - z);
+    uint64_t tb;
+    memcpy(&tb, &t, sizeof tb);
+    const uint64_t inexact = (t != 0.0) & (s - s == 0.0);
+    bits = (bits - (inexact & ((bits ^ tb) >> 63))) | inexact; /* towards zero where t points there, then odd */
+    double odd;
+    memcpy(&odd, &bits, sizeof odd);
+    return (float)odd;
+}
+#endif
+
 /* 4-bit projections of decode rows: y = x W^T with W held as GGUF's 4-bit
  * blocks, w = q d + m (q in 0..15; d and m per 32 inputs, stored as f16,
  * which holds GGUF's own f16 values exactly).
@@ -1336,11 +1375,100 @@ int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *
     return 0;
 }
 #else
-int trioserve_int8_available(void) { return 0; }
+/* `trioserve_int8_matmul` in plain C (the generic build, and ARM without
+ * the dot-product extension): the AVX2 build's operations one lane at a
+ * time, acc = fma(even code, x0, fma(odd code, x1, acc)) over the input
+ * pairs in order, then acc times the scale, so the same bits.
+ *
+ * Without an FMA instruction a fused multiply-add is many instructions
+ * (`g_fma`), and here it can mostly be spared: a code (|q| <= 128, at most 7 significant bits) times a
+ * bf16 input (8) is exact in fp32 whenever the product is zero or normal
+ * and finite, and a fused multiply-add of an exact product rounds once,
+ * as the plain add of it does. So a pass whose rows' inputs are all zero
+ * or of magnitude in [2^-126, 2^120] (every product then zero or in
+ * [2^-126, 2^127)) multiplies and adds plainly (the library is built
+ * without contraction; the compiler vectorizes the lanes), and any other
+ * pass (subnormal, huge, infinite or NaN inputs) takes `g_fma`. Either way
+ * each output is the same fused chain's bits. */
+#define G8_ROWS 4
+
+static inline __attribute__((always_inline)) void g8_pass(const int8_t *w, const float *scale, const float *x, float *out,
+                                                         int64_t k, int64_t n, const int rows, const int exact) {
+    for (int u = 0; u < 2; u++) {
+        float acc[G8_ROWS][16];
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) acc[r][i] = 0.0f;
+        for (int64_t j = 0; j < k / 2; j++) {
+            const int8_t *p = w + (j * 2 + u) * 32;
+            float even[16], odd[16];
+            for (int i = 0; i < 16; i++) {
+                even[i] = (float)p[2 * i];
+                odd[i] = (float)p[2 * i + 1];
+            }
+            for (int r = 0; r < rows; r++) {
+                const float x0 = x[r * k + 2 * j], x1 = x[r * k + 2 * j + 1];
+                if (exact)
+                    for (int i = 0; i < 16; i++) acc[r][i] = (acc[r][i] + odd[i] * x1) + even[i] * x0;
+                else
+                    for (int i = 0; i < 16; i++) acc[r][i] = g_fma(even[i], x0, g_fma(odd[i], x1, acc[r][i]));
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) out[r * n + u * 16 + i] = acc[r][i] * scale[u * 16 + i];
+    }
+}
+
+/* Whether every product of a code and one of these n inputs is exact in fp32 (above). */
+static int g8_exact_inputs(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        if (!(a == 0.0f || (a >= 0x1p-126f && a <= 0x1p120f))) return 0;
+    }
+    return 1;
+}
+
+#define G8_PASS(R)                                                            \
+    case R:                                                                   \
+        if (exact) g8_pass(w, s, xr, o, k, n, R, 1);                          \
+        else g8_pass(w, s, xr, o, k, n, R, 0);                                \
+        break;
+
+int trioserve_int8_available(void) { return 1; }
+
 int trioserve_int8_matmul(const int8_t *packed, const float *scale, const void *x, float *out, int64_t rows, int64_t n,
                           int64_t k, int x_bf16, int threads) {
-    (void)packed, (void)scale, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)threads;
-    return 4;
+    if (n % 32 || k % 2) return 1;
+    /* the inputs rounded to bf16 (as the AVX-512 kernel takes them), widened back to fp32 once */
+    uint16_t *xh = bf16_rows(x, rows * k, x_bf16);
+    float *xf = malloc((size_t)(rows * k) * sizeof *xf + 1);
+    int *exact_row = malloc((size_t)rows * sizeof *exact_row + 1);
+    if (!xh || !xf || !exact_row) {
+        free(xh), free(xf), free(exact_row);
+        return 2;
+    }
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = bf16_to_float(xh[i]);
+    for (int64_t r = 0; r < rows; r++) exact_row[r] = g8_exact_inputs(xf + r * k, k);
+    const int nt = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t p = 0; p < n / 32; p++) {
+        const int8_t *w = packed + p * 32 * k;
+        const float *s = scale + p * 32;
+        for (int64_t r0 = 0; r0 < rows; r0 += G8_ROWS) {
+            const float *xr = xf + r0 * k;
+            float *o = out + r0 * n + p * 32;
+            const int here = (int)(rows - r0 >= G8_ROWS ? G8_ROWS : rows - r0);
+            int exact = 1;
+            for (int r = 0; r < here; r++) exact &= exact_row[r0 + r];
+            switch (here) {
+                G8_PASS(4)
+                G8_PASS(3)
+                G8_PASS(2)
+                G8_PASS(1)
+            }
+        }
+    }
+    free(xh), free(xf), free(exact_row);
+    return 0;
 }
 #endif
 #endif
@@ -1679,6 +1807,137 @@ static void q8act_rows(const uint8_t *w, const uint16_t *sc, const int8_t *xr, c
 #endif
     }
 }
+#else
+/* Plain C (the generic build, and ARM without the dot-product extension):
+ * the same kernel one lane at a time. The integer sums are exact (in any
+ * order), the inputs are rounded to 8 bits by `a2_q8_block`'s operations,
+ * and each block is scaled by the same two fused multiply-adds (`g_fma`,
+ * exact; the library is built without contraction, so nothing else is
+ * fused), so a row gets the SIMD builds' bits. */
+#define G_ROWS 4
+
+static inline float f16_bits_to_float(uint16_t h);
+
+/* `_mm256_cvtps_epi32` then saturation to a byte, as `a2_q8_block` does:
+ * round to nearest even (the default rounding mode, which the library
+ * never changes), NaN and values outside int32 to INT32_MIN and so -128.
+ * Adding and taking away 1.5 x 2^23 rounds |f| < 2^22 to an integer with
+ * ties to even (the sum's last bit is the integer's parity). */
+static inline int8_t g_byte(float f) {
+    if (!(f >= -2147483648.0f && f < 2147483648.0f)) return -128;
+    if (f >= 127.5f) return 127;
+    if (f <= -128.5f) return -128;
+    return (int8_t)(int32_t)((f + 0x1.8p23f) - 0x1.8p23f);
+}
+
+/* `a2_q8_block` one lane at a time: lane l of register i holds input
+ * 8 i + l; the maximum of |x| per lane over the 4 registers (maxps: the
+ * first operand where it is greater, else the second), then over the 8
+ * lanes in order; xs as (0 + 2) + (1 + 3) per lane, then halves folded. */
+static inline void g_q8_block(const uint16_t *src, int8_t *xq, float *xd, float *xs) {
+    float v[32], top[8];
+    for (int i = 0; i < 32; i++) v[i] = bf16_to_float(src[i]);
+    for (int l = 0; l < 8; l++) top[l] = 0.0f;
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 8; l++) {
+            uint32_t bits;
+            memcpy(&bits, &v[8 * i + l], sizeof bits);
+            bits &= 0x7fffffffu;
+            float a;
+            memcpy(&a, &bits, sizeof a);
+            top[l] = top[l] > a ? top[l] : a;
+        }
+    float amax = top[0];
+    for (int l = 1; l < 8; l++) amax = top[l] > amax ? top[l] : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < 32; i++) xq[i] = g_byte(v[i] * inv);
+    *xd = amax / 127.0f;
+    float s8[8], s4[4];
+    for (int l = 0; l < 8; l++) s8[l] = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]);
+    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+    *xs = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* A block's (or a 6-bit half block's) scaling of one column, as every
+ * build does it (`a2_scale`): acc += float(isum) (d xd), then acc += m xs. */
+static inline float g_scale(float acc, int32_t isum, float d, float m, float xd, float xs) {
+    return g_fma(m, xs, g_fma((float)isum, d * xd, acc));
+}
+
+/* The 16 d and m of a tile's block (or half block) as floats. */
+static inline void g_dm(const uint16_t *d16, const uint16_t *m16, float *d, float *m) {
+    for (int i = 0; i < 16; i++) d[i] = f16_bits_to_float(d16[i]);
+    for (int i = 0; i < 16; i++) m[i] = m16 ? f16_bits_to_float(m16[i]) : d[i] * -32.0f;
+}
+
+/* out[r * n + col] (fp32, or rounded to bf16) = v. */
+static inline void g_store(void *out, int64_t at, float v, const int bf16_out) {
+    if (bf16_out) ((uint16_t *)out)[at] = float_to_bf16(v);
+    else ((float *)out)[at] = v;
+}
+
+/* Rows 0 .. rows - 1 (at most 4) times `tiles` tiles of the group, tile by
+ * tile, block by block in order: per block the 16 columns' exact sums of
+ * code times input byte, then the scaling. */
+static inline __attribute__((always_inline)) void g_q4_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                           const float *xd, const float *xs, void *out, int64_t nb,
+                                                           int64_t k, int64_t n, const int rows, const int tiles,
+                                                           const int bf16_out) {
+    for (int c = 0; c < tiles; c++) {
+        float acc[G_ROWS][16];
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) acc[r][i] = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = w + (b * tiles + c) * 256;
+            int32_t isum[G_ROWS][16];
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * k + b * 32;
+                /* lane 4 i + e: column i's products with inputs 4 j + e and
+                 * 16 + 4 j + e summed over the quads j (at most 8 x 15 x 128
+                 * in size: exact in int16), then the four lanes of a column */
+                int16_t part[64];
+                for (int l = 0; l < 64; l++) part[l] = 0;
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *q = wb + j * 64;
+                    const int16_t x0 = xb[4 * j], x1 = xb[4 * j + 1], x2 = xb[4 * j + 2], x3 = xb[4 * j + 3];
+                    const int16_t y0 = xb[16 + 4 * j], y1 = xb[17 + 4 * j], y2 = xb[18 + 4 * j], y3 = xb[19 + 4 * j];
+                    for (int i = 0; i < 16; i++) {
+                        part[4 * i] = (int16_t)(part[4 * i] + (q[4 * i] & 15) * x0 + (q[4 * i] >> 4) * y0);
+                        part[4 * i + 1] = (int16_t)(part[4 * i + 1] + (q[4 * i + 1] & 15) * x1 + (q[4 * i + 1] >> 4) * y1);
+                        part[4 * i + 2] = (int16_t)(part[4 * i + 2] + (q[4 * i + 2] & 15) * x2 + (q[4 * i + 2] >> 4) * y2);
+                        part[4 * i + 3] = (int16_t)(part[4 * i + 3] + (q[4 * i + 3] & 15) * x3 + (q[4 * i + 3] >> 4) * y3);
+                    }
+                }
+                for (int i = 0; i < 16; i++) isum[r][i] = (part[4 * i] + part[4 * i + 1]) + (part[4 * i + 2] + part[4 * i + 3]);
+            }
+            float d[16], m[16];
+            g_dm(sc + (b * tiles + c) * 32, sc + (b * tiles + c) * 32 + 16, d, m);
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < 16; i++) acc[r][i] = g_scale(acc[r][i], isum[r][i], d[i], m[i], xd[r * nb + b], xs[r * nb + b]);
+        }
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) g_store(out, r * n + c * 16 + i, acc[r][i], bf16_out);
+    }
+}
+
+#define G_Q4_PASS(R)                                                                                 \
+    case R:                                                                                          \
+        g_q4_pass(w, sc, xr, xdr, xsr, o, nb, k, n, R, tiles, bf16_out);                             \
+        break;
+
+/* This build's pieces of `trioserve_int4_q8_matmul` (the one driver below). */
+#define Q8ACT_KERNEL 1
+#define q8act_block g_q8_block
+static void q8act_rows(const uint8_t *w, const uint16_t *sc, const int8_t *xr, const float *xdr, const float *xsr,
+                       void *o, int64_t nb, int64_t k, int64_t n, int rows, int tiles, int bf16_out, Prefetch *ahead) {
+    (void)ahead;
+    switch (rows) {
+        G_Q4_PASS(4)
+        G_Q4_PASS(3)
+        G_Q4_PASS(2)
+        G_Q4_PASS(1)
+    }
+}
 #endif
 #endif
 
@@ -1731,13 +1990,7 @@ int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, cons
     return 0;
 }
 #else
-/* Neither AVX-512 VNNI, AVX2 nor NEON with sdot: the int8-activation kernel says so (the torch twin runs). */
-int trioserve_int4_q8_available(void) { return 0; }
-int trioserve_int4_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
-    return 4;
-}
+#error "no build of the int8-activation kernel's pieces (every build has one: AVX-512 VNNI, AVX2, NEON sdot or plain C)"
 #endif
 
 /* Codes of up to 6 bits, one byte each, with int8 activations
@@ -2155,6 +2408,117 @@ static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const
         for (int h8 = 0; h8 < 2; h8++) i8_half_pass(w, sc, xq, xd, out, nb, k, n, rows, tiles, c, h8, bf16_out, c + h8 ? NULL : ahead);
 }
 #define I6_QUANTIZE a2_q8_block
+#else
+/* Plain C (the generic build, ARM without dot products): the 6- and 8-bit
+ * kernels one lane at a time, with the 4-bit one's `g_q8_block` and
+ * `g_scale`. The same codes (the masks and shifts of `six8`, per byte), the
+ * same exact integer sums, the same float steps in the same order: the
+ * same bits as every SIMD build. */
+#define I6_WIDE 0
+static inline __attribute__((always_inline)) void i6_pass(const uint8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, const float *xs, void *out, int64_t nb,
+                                                         int64_t k, int64_t n, const int rows, const int tiles,
+                                                         const int bf16_out, const int sym, Prefetch *ahead) {
+    (void)ahead;
+    for (int c = 0; c < tiles; c++) {
+        float acc[I6_ROWS][16];
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) acc[r][i] = 0.0f;
+        for (int64_t b = 0; b < nb; b++)
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *at = w + (b * tiles + c) * I6_TILE_BLOCK + half * I6_HALF;
+                uint8_t u[4][64]; /* quad j, lane 4 i + e (column i, input e): the code, 0..63 */
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 64; l++)
+                        u[j][l] = (uint8_t)(((at[(j >> 1) * 64 + l] >> (4 * (j & 1))) & 0x0F) | (((at[128 + l] >> (2 * j)) & 3) << 4));
+                int32_t isum[I6_ROWS][16];
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xh = xq + r * k + b * I6_BLOCK + 16 * half;
+                    /* lane 4 i + e: column i's products with inputs 4 j + e
+                     * summed over the quads j (at most 4 x 63 x 128 in size:
+                     * exact in int16), then the four lanes of a column */
+                    int16_t part[64];
+                    for (int l = 0; l < 64; l++) part[l] = 0;
+                    for (int j = 0; j < 4; j++) {
+                        const int16_t x0 = xh[4 * j], x1 = xh[4 * j + 1], x2 = xh[4 * j + 2], x3 = xh[4 * j + 3];
+                        for (int i = 0; i < 16; i++) {
+                            part[4 * i] = (int16_t)(part[4 * i] + u[j][4 * i] * x0);
+                            part[4 * i + 1] = (int16_t)(part[4 * i + 1] + u[j][4 * i + 1] * x1);
+                            part[4 * i + 2] = (int16_t)(part[4 * i + 2] + u[j][4 * i + 2] * x2);
+                            part[4 * i + 3] = (int16_t)(part[4 * i + 3] + u[j][4 * i + 3] * x3);
+                        }
+                    }
+                    for (int i = 0; i < 16; i++) isum[r][i] = (part[4 * i] + part[4 * i + 1]) + (part[4 * i + 2] + part[4 * i + 3]);
+                }
+                const uint16_t *s = i6_scales(sc, b * tiles + c, half, sym);
+                float d[16], m[16];
+                g_dm(s, sym ? NULL : s + 16, d, m);
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < 16; i++)
+                        acc[r][i] = g_scale(acc[r][i], isum[r][i], d[i], m[i], xd[r * nb + b], xs[(r * nb + b) * 2 + half]);
+            }
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) g_store(out, r * n + c * 16 + i, acc[r][i], bf16_out);
+    }
+}
+/* Signed 8-bit codes (Q8_0): the SIMD builds' product, |w| times the input
+ * with its sign flipped where w < 0 (a byte's negation: -128 stays -128),
+ * which is w x for every input byte the rounding makes (-127..127). */
+static inline __attribute__((always_inline)) void i8_pass(const int8_t *w, const uint16_t *sc, const int8_t *xq,
+                                                         const float *xd, void *out, int64_t nb, int64_t k, int64_t n,
+                                                         const int rows, const int tiles, const int bf16_out, Prefetch *ahead) {
+    (void)ahead;
+    for (int c = 0; c < tiles; c++) {
+        float acc[I6_ROWS][16];
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) acc[r][i] = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *at = w + (b * tiles + c) * I8_TILE_BLOCK;
+            int32_t isum[I6_ROWS][16];
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * k + b * I6_BLOCK;
+                int wrap = 0;
+                for (int t = 0; t < 32; t++) wrap |= xb[t] == -128;
+                if (!wrap) {
+                    /* lane 4 i + e: column i's products with inputs 4 j + e,
+                     * in pairs of quads (at most 2 x 128 x 127 in size: exact
+                     * in int16) added to int32, then the four lanes of a column */
+                    int32_t part[64];
+                    for (int l = 0; l < 64; l++) part[l] = 0;
+                    for (int j = 0; j < 8; j += 2) {
+                        const int8_t *q0 = at + j * 64, *q1 = q0 + 64;
+                        const int16_t x0 = xb[4 * j], x1 = xb[4 * j + 1], x2 = xb[4 * j + 2], x3 = xb[4 * j + 3];
+                        const int16_t y0 = xb[4 * j + 4], y1 = xb[4 * j + 5], y2 = xb[4 * j + 6], y3 = xb[4 * j + 7];
+                        for (int i = 0; i < 16; i++) {
+                            part[4 * i] += (int16_t)(q0[4 * i] * x0 + q1[4 * i] * y0);
+                            part[4 * i + 1] += (int16_t)(q0[4 * i + 1] * x1 + q1[4 * i + 1] * y1);
+                            part[4 * i + 2] += (int16_t)(q0[4 * i + 2] * x2 + q1[4 * i + 2] * y2);
+                            part[4 * i + 3] += (int16_t)(q0[4 * i + 3] * x3 + q1[4 * i + 3] * y3);
+                        }
+                    }
+                    for (int i = 0; i < 16; i++) isum[r][i] = (part[4 * i] + part[4 * i + 1]) + (part[4 * i + 2] + part[4 * i + 3]);
+                } else { /* an input byte of -128 (NaN, infinite or subnormal inputs): its sign flipped stays -128 */
+                    for (int i = 0; i < 16; i++) {
+                        int32_t s = 0;
+                        for (int j = 0; j < 8; j++)
+                            for (int e = 0; e < 4; e++) {
+                                const int v = at[j * 64 + i * 4 + e], x = xb[4 * j + e];
+                                s += v < 0 ? -v * (x == -128 ? -128 : -x) : v * x;
+                            }
+                        isum[r][i] = s;
+                    }
+                }
+            }
+            float d[16];
+            for (int i = 0; i < 16; i++) d[i] = f16_bits_to_float(sc[(b * tiles + c) * 16 + i]);
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < 16; i++) acc[r][i] = g_fma((float)isum[r][i], d[i] * xd[r * nb + b], acc[r][i]);
+        }
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 16; i++) g_store(out, r * n + c * 16 + i, acc[r][i], bf16_out);
+    }
+}
+#define I6_QUANTIZE g_q8_block
 #endif
 
 #if defined(I6_WIDE)
@@ -2266,22 +2630,7 @@ int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const
     return codes_q8_matmul((const uint8_t *)packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads, 1, 0);
 }
 #else
-int trioserve_int6_q8_available(void) { return 0; }
-int trioserve_int6_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
-    return 4;
-}
-int trioserve_int6s_q8_matmul(const uint8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                              int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    return trioserve_int6_q8_matmul(packed, scales, x, out, rows, n, k, x_bf16, bf16_out, threads);
-}
-int trioserve_int8_q8_available(void) { return 0; }
-int trioserve_int8_q8_matmul(const int8_t *packed, const uint16_t *scales, const void *x, void *out, int64_t rows,
-                             int64_t n, int64_t k, int x_bf16, int bf16_out, int threads) {
-    (void)packed, (void)scales, (void)x, (void)out, (void)rows, (void)n, (void)k, (void)x_bf16, (void)bf16_out, (void)threads;
-    return 4;
-}
+#error "no build of the 6- and 8-bit kernels' passes (every build has one: AVX-512 VNNI, AVX2, NEON sdot or plain C)"
 #endif
 
 /* 16-bit float weights (GGUF's F16 and BF16) kept as they are in the file,
