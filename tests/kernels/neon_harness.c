@@ -52,8 +52,14 @@ void trioserve_pack_int8_q8_rows(const uint8_t *const *rows, int64_t n, int64_t 
 void trioserve_pack_w16_rows(const uint16_t *const *rows, int64_t n, int64_t k, uint16_t *out, int threads);
 int trioserve_int6_rows_symmetric(const uint8_t *const *rows, int64_t n, int64_t k, int kind, int threads);
 
+void trioserve_exp_shifted(const float *x, const float *shift, float *out, int64_t rows, int64_t n, int threads);
+void trioserve_block_sums(const float *w, double *sums, int64_t rows, int64_t n, int64_t block, int threads);
+void trioserve_exp_sums(const float *x, float *maxes, double *sums, int64_t rows, int64_t n, int64_t block, int threads);
+void trioserve_log_softmax(const float *x, const float *maxes, const double *lse, float *out, int64_t rows, int64_t n, int threads);
+
 #ifdef HARNESS_STATIC
 #include "cpu_kernels.c"
+#include "sampler.c"
 #endif
 
 #define MOST 16
@@ -89,6 +95,11 @@ static int64_t run(int64_t op, const int64_t *a, const double *f, void **in, voi
     case 4: return trioserve_int8_q8_matmul(in[0], in[1], in[2], out[0], a[0], a[1], a[2], 0, 0, (int)a[3]);
     case 5: return trioserve_w16_matmul(in[0], in[2], out[0], a[0], a[1], a[2], 0, 0, 0, (int)a[3]); /* F16 weights */
     case 6: return trioserve_int6s_q8_matmul(in[0], in[1], in[2], out[0], a[0], a[1], a[2], 0, 0, (int)a[3]);
+    /* the sampler's fixed order: ints rows, n (, block), threads */
+    case 30: trioserve_exp_shifted(in[0], in[1], out[0], a[0], a[1], (int)a[2]); return 0;    /* x, shift -> out */
+    case 31: trioserve_block_sums(in[0], out[0], a[0], a[1], a[2], (int)a[3]); return 0;      /* w -> sums */
+    case 32: trioserve_exp_sums(in[0], out[0], out[1], a[0], a[1], a[2], (int)a[3]); return 0; /* x -> maxes, sums */
+    case 33: trioserve_log_softmax(in[0], in[1], in[2], out[0], a[0], a[1], (int)a[2]); return 0; /* x, maxes, lse -> out */
     /* attention: ints rows, num_tables, heads, kv_heads, num_blocks, block_size, dim, max_blocks, bf16,
      * kv_bf16, threads; float scale; inputs q, k, v, tables, row_seq (empty: none), lens; output out */
     case 10:

@@ -90,7 +90,7 @@ def arm(tmp_path_factory) -> ArmBuild:
         _compile("-O3", "-ffp-contract=off", *ARM_MARCH, "-static", "-Wno-unknown-pragmas", "-DHARNESS_STATIC", "-I", str(native_build.SOURCE.parent),
                  str(HERE / "neon_harness.c"), "-o", str(exe), "-lm")  # fmt: skip
         return ArmBuild(exe, None, f"no libgomp for {CC} (Debian: libgomp1-arm64-cross), so native_build.py's -fopenmp build cannot link", sysroot)
-    _compile(*native_build.FLAGS, *ARM_MARCH, "-o", str(lib), str(native_build.SOURCE))  # as native_build.build() runs it
+    _compile(*native_build.FLAGS, *ARM_MARCH, "-o", str(lib), *map(str, native_build.SOURCES))  # as native_build.build() runs it
     # -lm: the library calls sqrtf and names no libm (in Python the process has it loaded).
     _compile("-O2", "-fopenmp", str(HERE / "neon_harness.c"), "-o", str(exe), "-L", str(where), "-ltrioserve_arm64", "-lm", f"-Wl,-rpath,{where}")
     return ArmBuild(exe, lib, None, sysroot)
@@ -556,3 +556,38 @@ def test_the_shared_library_links_and_exports_what_the_bindings_use(arm, tmp_pat
     assert re.search(r"\bsdot\b", tool("objdump", "-d", "--no-show-raw-insn"))
     _, isa = Jobs().run(arm, tmp_path)
     assert isa == "neon-dotprod"
+
+
+@needs_library
+def test_the_sampler_arithmetic_gives_this_cpus_bits(arm, tmp_path):
+    """csrc/sampler.c's exp, block sums, exp sums and log_softmax on ARM: the
+    bits of this CPU's build and of the numpy twins (kernels/sampler_math.py),
+    for rows of awkward widths, masked entries and wide spreads."""
+    from trioserve.kernels.sampler_math import BLOCK, FIXED, Numerics, log_fixed
+
+    twin = Numerics(lib=None)
+    jobs, cases = Jobs(), []
+    for width in (7, 16, 257, 360, 49152):
+        gen = torch.Generator().manual_seed(width)
+        x = torch.randn(3, width, generator=gen) * 6
+        x[1, : width // 2] = -float("inf")
+        x[2] *= 30
+        shift = x.amax(dim=1)
+        weights = twin.exp_shifted(x, shift)
+        lse = torch.tensor([log_fixed(float(s)) for s in np.cumsum(twin.block_sums(twin.exp_shifted(x, shift)).numpy(), axis=1)[:, -1]], dtype=torch.float64)
+        c = dict(x=x, shift=shift, weights=weights, lse=lse, width=width)
+        c["exp"] = jobs.add(30, [3, width, 2], [x, shift], [x.numel() * 4])
+        c["sums"] = jobs.add(31, [3, width, BLOCK, 2], [weights], [3 * -(-width // BLOCK) * 8])
+        c["exp_sums"] = jobs.add(32, [3, width, BLOCK, 2], [x], [3 * 4, 3 * 8])
+        c["lsm"] = jobs.add(33, [3, width, 2], [x, shift, lse], [x.numel() * 4])
+        cases.append(c)
+    done, _ = jobs.run(arm, tmp_path)
+    for c in cases:
+        x, width = c["x"], c["width"]
+        assert torch.equal(done[c["exp"]].tensor(-1, torch.float32, 3, width), twin.exp_shifted(x, c["shift"])), width
+        assert torch.equal(done[c["sums"]].tensor(-1, torch.float64, 3, -(-width // BLOCK)), twin.block_sums(c["weights"])), width
+        sums = done[c["exp_sums"]]
+        assert torch.equal(sums.tensor(-2, torch.float32, 3), c["shift"]), width
+        assert torch.equal(sums.tensor(-1, torch.float64, 3), torch.from_numpy(np.cumsum(twin.block_sums(c["weights"]).numpy(), axis=1)[:, -1])), width
+        lsm = done[c["lsm"]].tensor(-1, torch.float32, 3, width)
+        assert torch.equal(lsm, twin.log_softmax(x)) and torch.equal(lsm, FIXED.log_softmax(x)), width
