@@ -87,26 +87,7 @@ static inline float bf16_to_float(uint16_t b) {
     return f;
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum), relative error ~2e-7:
- * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n
- * put in the exponent bits. Below -87 it returns 0. Plain arithmetic, so
- * the compiler vectorizes the loop that calls it. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
+#include "fixed_exp.h"
 
 static inline float lane_sum(const float *acc) {
     float s8[8], s4[4], s2[2];
@@ -146,23 +127,6 @@ static inline const int64_t *row_table(const Job *job, int64_t r) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y);
-}
-
 static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, int64_t group) {
     for (int64_t j = 0; j < group; j++) {
         float *sc = scores + j * len;
@@ -191,23 +155,6 @@ static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, i
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-
-/* `exp_nonpositive` of 8 lanes: the same operations, unfused. */
-static inline __m256 exp_nonpositive8(__m256 x) {
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187045e-06f)));
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ));
-}
 
 /* The scalar version's steps 8 lanes at a time (the sum in the same 16 lanes). */
 static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, int64_t group) {
@@ -266,9 +213,100 @@ static __attribute__((noinline)) void softmax_rows(float *scores, int64_t len, i
  * still fixed for a given build and CPU. */
 #define ATTENTION_MATH __attribute__((optimize("fp-contract=fast")))
 
+/* bf16 queries with head dim 64 take `tile_bf16_d64` where the CPU has
+ * vdpbf16ps; the other builds compute its scores with the same arithmetic
+ * (`dp_score`, `dp_scores8`), so every build gives the AVX-512 BF16 bits
+ * (issue 47). vdpbf16ps adds to lane l's fp32 sum the exact product of the
+ * pair's odd elements (2l + 1), then the even ones' (2l), each a fused
+ * multiply-add rounded to nearest even, reading denormal inputs as zeros and
+ * flushing tiny results to zeros (DAZ and FTZ, whatever MXCSR says), tiny
+ * meaning below 2^-126 after rounding to 24 bits (x86's rule). Checked
+ * against the instruction on an AMD Zen 4 with 3 x 10^7 random lanes (tiny
+ * and denormal operands included) and crafted cases at 2^-126. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOT_HW 1
+#else
+#define BF16_DOT_HW 0
+#endif
+/* |x| of a bf16 from 2^-56 (biased exponent 71) to below 2^63 (190), as bits. */
+#define DP_TINY (71 << 7)
+#define DP_HUGE (190 << 7)
+
+/* A bf16 input as vdpbf16ps reads it (a denormal is a zero of its sign). */
+static inline ATTENTION_MATH float dp_in(uint16_t b) { return bf16_to_float((b & 0x7F80) ? b : (uint16_t)(b & 0x8000)); }
+
+/* One of its multiply-adds: c + a b rounded once, a tiny result flushed.
+ * fmaf rounds a result below 2^-126 to the denormals' grid instead, which
+ * decides tininess alike except where it lands on 2^-126 itself; then the
+ * sum is redone scaled by 2^64 (exact: such a sum's terms are both below
+ * 2^-100, and b, when not zero, at least 2^-126). c is never denormal. */
+static inline ATTENTION_MATH float dp_fma(float a, float b, float c) {
+    const float r = fmaf(a, b, c);
+    if (!(fabsf(r) <= 0x1p-126f)) return r;
+    if (fabsf(r) < 0x1p-126f) return copysignf(0.0f, r);
+    return fabsf(fmaf(a * 0x1p64f, b, c * 0x1p64f)) < 0x1p-62f ? copysignf(0.0f, r) : r;
+}
+
+/* Whether bf16 values hold a nonzero one outside [2^-56, 2^63) (denormals,
+ * infinities and NaNs included). Where neither the queries nor a key do,
+ * every product of two of them is exact in fp32 and a multiple of 2^-126,
+ * so each sum of them is zero or at least 2^-126: DAZ and FTZ change
+ * nothing, and a fused multiply-add is that product then a sum. */
+static inline ATTENTION_MATH int dp_outside(const uint16_t *x, int64_t n) {
+    int outside = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t m = x[i] & 0x7FFF;
+        outside |= m && (uint16_t)(m - DP_TINY) >= DP_HUGE - DP_TINY;
+    }
+    return outside;
+}
+
+/* q . k of bf16 vectors of 64 as `tile_bf16_d64` computes it: lane l of 16
+ * sums pairs (2l, 2l + 1) then (32 + 2l, 33 + 2l) by vdpbf16ps's fused
+ * multiply-adds, odd element first (with DAZ and FTZ where `exact`; else,
+ * `dp_outside` having found no value that needs them, each a product and a
+ * sum, which the plain C build computes fast), the lanes by `lane_sum`'s
+ * tree (which is `sum16`'s for each key), then times the scale. */
+static inline ATTENTION_MATH float dp_score(const uint16_t *q, const uint16_t *k, float scale, const int exact) {
+    float lanes[LANES];
+    for (int l = 0; l < LANES; l++) {
+        float acc = 0.0f;
+        for (int h = 0; h < 64; h += 32) {
+            const int o = h + 2 * l + 1, e = h + 2 * l;
+            if (exact) {
+                acc = dp_fma(dp_in(k[o]), dp_in(q[o]), acc);
+                acc = dp_fma(dp_in(k[e]), dp_in(q[e]), acc);
+            } else {
+                acc += bf16_to_float(k[o]) * bf16_to_float(q[o]);
+                acc += bf16_to_float(k[e]) * bf16_to_float(q[e]);
+            }
+        }
+        lanes[l] = acc;
+    }
+    return lane_sum(lanes) * scale;
+}
+
+/* One (row s, KV head g) item's scores by `dp_score`, scores[j * len + t]. */
+static inline ATTENTION_MATH void dp_scores(const Job *job, int64_t s, int64_t g, const int64_t *table, int64_t len, int64_t group,
+                                            float *scores) {
+    const int64_t bs = job->block_size;
+    const uint16_t *q = (const uint16_t *)job->q + (s * job->heads + g * group) * 64;
+    const int odd_q = dp_outside(q, group * 64);
+    for (int64_t t = 0; t < len; t++) {
+        const uint16_t *key = (const uint16_t *)job->k + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
+        const int exact = odd_q || dp_outside(key, 64);
+        for (int64_t j = 0; j < group; j++) scores[j * len + t] = dp_score(q + j * 64, key, job->scale, exact);
+    }
+}
+
+static inline float g_fma(float a, float b, float c); /* fmaf's bits, inline in every build (with the integer kernels) */
+
 /* One (query row, KV head) item. Always inlined into `run_item`'s cases, so
  * for the common shapes dim and group are constants and the compiler keeps
- * the accumulators in vector registers. */
+ * the accumulators in vector registers. The builds without AVX2 (plain C,
+ * ARM): `item_body8`'s operations one lane at a time, every product fused
+ * (`g_fma`), so they give its bits; bf16 queries of head dim 64 score by
+ * `dp_scores`, as the AVX-512 BF16 tiles do. */
 static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const Job *job, int64_t item, float *scores, const int64_t dim,
                                                            const int64_t group, const int bf16, const int kv_bf16) {
     const int64_t bs = job->block_size;
@@ -276,16 +314,20 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
     const int64_t len = job->lens[s];
     const int64_t *table = row_table(job, s);
     float qf[MAX_GROUP][LANES * 16], kf[LANES * 16], acc[MAX_GROUP][LANES * 16];
-    for (int64_t j = 0; j < group; j++)
-        for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
-        for (int64_t d = 0; d < dim; d++) kf[d] = load(job->k, at + d, kv_bf16);
-        for (int64_t j = 0; j < group; j++) {
-            float lanes[LANES] = {0};
-            for (int64_t d0 = 0; d0 < dim; d0 += LANES)
-                for (int l = 0; l < LANES; l++) lanes[l] += qf[j][d0 + l] * kf[d0 + l];
-            scores[j * len + t] = lane_sum(lanes);
+    if (!BF16_DOT_HW && bf16 && dim == 64) {
+        dp_scores(job, s, g, table, len, group, scores);
+    } else {
+        for (int64_t j = 0; j < group; j++)
+            for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
+            for (int64_t d = 0; d < dim; d++) kf[d] = load(job->k, at + d, kv_bf16);
+            for (int64_t j = 0; j < group; j++) {
+                float lanes[LANES] = {0};
+                for (int64_t d0 = 0; d0 < dim; d0 += LANES)
+                    for (int l = 0; l < LANES; l++) lanes[l] = g_fma(qf[j][d0 + l], kf[d0 + l], lanes[l]);
+                scores[j * len + t] = lane_sum(lanes);
+            }
         }
     }
     softmax_rows(scores, len, group);
@@ -296,7 +338,7 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
         for (int64_t d = 0; d < dim; d++) kf[d] = load(job->v, at + d, kv_bf16);
         for (int64_t j = 0; j < group; j++) {
             const float p = scores[j * len + t];
-            for (int64_t d = 0; d < dim; d++) acc[j][d] += p * kf[d];
+            for (int64_t d = 0; d < dim; d++) acc[j][d] = g_fma(p, kf[d], acc[j][d]);
         }
     }
     for (int64_t j = 0; j < group; j++)
@@ -309,12 +351,55 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
  * lanes of fused products over the head dim (lanes 0-7 and 8-15 in two
  * registers) and the fixed tree `lane_sum` uses; each value sum is one fused
  * chain per output lane, keys in order. A row's result depends on that row
- * alone. */
+ * alone. bf16 queries of head dim 64 (in builds without vdpbf16ps) score by
+ * `dp_key8`, as the AVX-512 BF16 tiles do; their values are summed as
+ * here, which is also the tiles' order. */
 #define VECTOR_ITEMS 1
 static inline __m256 kv8(const void *base, int64_t at, const int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)base + at);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* `dp_score` of one key for a KV head's `group` query heads (q, split by
+ * `item_body8` into odd and even elements qo, qe), out[j * stride]: the
+ * key's 64 values as four vectors of 16 bf16, each split likewise into fp32
+ * (exact), lanes 0-7 summed in one register (dims 0-15, then 32-47) and
+ * 8-15 in another (16-31, 48-63), each pair's odd product first; then
+ * `lane_sum`'s tree and the scale. A key with a nonzero value below 2^-56
+ * (tested on 16-bit lanes; large ones need nothing here, the products being
+ * fused), or queries with one outside `dp_outside`'s range, take
+ * `dp_score`'s exact path. */
+static inline __attribute__((always_inline)) ATTENTION_MATH void dp_key8(const uint16_t *q, __m256 (*qo)[4], __m256 (*qe)[4],
+                                                                         const int tiny_q, const uint16_t *key, const int64_t group,
+                                                                         const float scale, float *out, const int64_t stride) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u), one = _mm256_set1_epi16(1), limit = _mm256_set1_epi16(2 * DP_TINY - 1);
+    __m256 ko[4], ke[4];
+    __m256i low = limit; /* 2 |x| - 1 as 16 bits, least: zero wraps to the top */
+    for (int c = 0; c < 4; c++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(key + 16 * c));
+        ko[c] = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+        ke[c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        low = _mm256_min_epu16(low, _mm256_sub_epi16(_mm256_add_epi16(x, x), one));
+    }
+    const __m256i under = _mm256_subs_epu16(limit, low);
+    if (tiny_q || !_mm256_testz_si256(under, under)) {
+        for (int64_t j = 0; j < group; j++) out[j * stride] = dp_score(q + j * 64, key, scale, 1);
+        return;
+    }
+    for (int64_t j = 0; j < group; j++) {
+        __m256 a = _mm256_fmadd_ps(ko[0], qo[j][0], _mm256_setzero_ps()), b = _mm256_fmadd_ps(ko[1], qo[j][1], _mm256_setzero_ps());
+        a = _mm256_fmadd_ps(ke[0], qe[j][0], a);
+        b = _mm256_fmadd_ps(ke[1], qe[j][1], b);
+        a = _mm256_fmadd_ps(ko[2], qo[j][2], a);
+        b = _mm256_fmadd_ps(ko[3], qo[j][3], b);
+        a = _mm256_fmadd_ps(ke[2], qe[j][2], a);
+        b = _mm256_fmadd_ps(ke[3], qe[j][3], b);
+        const __m256 s8 = _mm256_add_ps(a, b);
+        const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        out[j * stride] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * scale;
+    }
 }
 
 static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(const Job *job, int64_t item, float *scores,
@@ -325,8 +410,23 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
     const int64_t len = job->lens[s];
     const int64_t *table = row_table(job, s);
     float qf[MAX_GROUP][LANES * 16] __attribute__((aligned(32)));
-    for (int64_t j = 0; j < group; j++)
-        for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
+    /* bf16 queries of head dim 64: the AVX-512 BF16 tiles' scores (`dp_key8`) */
+    const int dp = !BF16_DOT_HW && bf16 && dim == 64;
+    const uint16_t *qh = (const uint16_t *)job->q + (s * job->heads + g * group) * dim;
+    __m256 qo[MAX_GROUP][4], qe[MAX_GROUP][4];
+    int tiny_q = 0;
+    if (dp) {
+        tiny_q = dp_outside(qh, group * 64);
+        for (int64_t j = 0; j < group; j++)
+            for (int c = 0; c < 4; c++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(qh + j * 64 + 16 * c));
+                qo[j][c] = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+                qe[j][c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+            }
+    } else {
+        for (int64_t j = 0; j < group; j++)
+            for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
+    }
     const int64_t es = kv_bf16 ? 2 : 4, lines = (bs * dim * es + 63) / 64;
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim;
@@ -342,6 +442,10 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
             for (int64_t i = u * per_key; i < (u + 1) * per_key && i < lines; i++) {
                 if (k_next) __builtin_prefetch(k_next + i * 64, 0, 3);
                 __builtin_prefetch(v_here + i * 64, 0, 2);
+            }
+            if (dp) {
+                dp_key8(qh, qo, qe, tiny_q, (const uint16_t *)job->k + at, group, job->scale, scores + t0 + u, len);
+                continue;
             }
             for (int64_t j = 0; j < group; j++) {
                 __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
@@ -587,8 +691,10 @@ static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores)
  * Arithmetic: each (row, KV head) is computed from that row's query, keys
  * and values alone, in an order fixed by its own length: bf16 with head
  * dim 64 by `tile_bf16_d64` (rows of one sequence in tiles that share
- * loads), every other shape by `item_body` (fp32 dot products, fused where
- * the CPU has them, summed in 16 lanes then a fixed tree). Nothing depends
+ * loads; where the CPU lacks vdpbf16ps, its arithmetic by `dp_score`),
+ * every other shape by `item_body` (fp32 dot products, fused in every
+ * build, summed in 16 lanes then a fixed tree): the same bits at every
+ * level and on ARM. Nothing depends
  * on the other rows, how many there are, which tile a row falls in, how
  * the work is split between threads, or the padding of the tables, so a
  * row's result is the same bits in any company (batch invariance).
