@@ -354,3 +354,28 @@ def test_an_edited_token_is_found_with_its_request_and_step(recorded, monkeypatc
     assert report.startswith("DIFFERENT "), out
     assert f"line {line}," in report and f"step {step}," in report and f"request {request_id}" in report, out
     assert "stopped at the first difference" in out, out
+
+
+def test_model_replay_is_identical_at_a_narrower_cpu_class(recorded):
+    """The default path gives the same bits on every CPU class (#47): the
+    trace replays identically in a child process pinned to the C kernels'
+    avx2 level and torch's DEFAULT capability, with no fallback to the
+    recorded level (TRIOSERVE_REPLAY_PINNED)."""
+    import os
+    import subprocess
+    import sys
+
+    from trioserve.core.replay import PINNED_ENV
+    from trioserve.kernels.cpu import level_fits
+
+    if level_fits("avx2"):
+        pytest.skip(f"the avx2 level: {level_fits('avx2')}")
+    head = json.loads(Path(recorded.trace).read_text().splitlines()[0])
+    assert head["sampler"] == "fixed" and head["cpu"]["activations"] == "int8", head["cpu"]
+    env = {**os.environ, "TRIOSERVE_CPU_FEATURES": "avx2", "ATEN_CPU_CAPABILITY": "default", PINNED_ENV: "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "trioserve", "replay", str(recorded.trace), "--model", "--threads", str(THREADS)],
+        env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "identical" in done.stdout and "DIFFERENT" not in done.stdout, done.stdout
