@@ -11,7 +11,7 @@ with the recorded engine settings, samples it as the server does, and
 checks that each step gives the recorded tokens, draws and logprobs.
 
 Another CPU class. The header names the class the trace ran on
-(engine.cpu_class: torch's CPU capability, the C kernels' instruction
+(models/compute.py `cpu_class`: torch's CPU capability, the C kernels' instruction
 sets). On the default path (int8 activations, the fixed-order sampler)
 every class gives the same bits, so the replay runs here as it is. Where a
 step's result differs and the trace came from another class, the replay
@@ -281,10 +281,10 @@ def model_runner(head: dict, source) -> RunStep:
     """Runs planned steps as the server does (models/step_runner.py), with the
     recorded engine settings (dtype, 4-bit weights, device, block size,
     batch-invariant arithmetic) and the recorded sampler arithmetic."""
-    from trioserve.engine import cpu_class  # noqa: PLC0415 - heavy imports, only in model mode
-    from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415
+    from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype  # noqa: PLC0415 - heavy imports, only in model mode
     from trioserve.kernels.sampler_math import NUMERICS  # noqa: PLC0415
     from trioserve.models.checkpoint import load_checkpoint  # noqa: PLC0415
+    from trioserve.models.compute import cpu_class  # noqa: PLC0415
     from trioserve.models.guided import GuideCompiler  # noqa: PLC0415
     from trioserve.models.llama import LlamaModel  # noqa: PLC0415
     from trioserve.models.step_runner import StepRunner  # noqa: PLC0415

@@ -218,7 +218,7 @@ def events_json(events: list[Event]) -> list[dict]:
 def header(settings: CoreSettings, *, checkpoint_path: str, digest: str, engine: dict, vocab_size: int, cpu: dict | None = None) -> dict:
     """The first line. "sampler" names the sampler's arithmetic ("fixed":
     kernels/sampler_math.py; a trace without it sampled with torch's), and
-    "cpu" the class of machine it ran on (engine.cpu_class; absent before
+    "cpu" the class of machine it ran on (models/compute.py `cpu_class`; absent before
     traces recorded it, null on a GPU)."""
     return {
         "format": TRACE_FORMAT,

@@ -29,7 +29,8 @@ from pathlib import Path
 import trio
 
 from trioserve.config import EngineConfig, ServerSettings
-from trioserve.engine import Engine, describe_compute, open_engine
+from trioserve.engine import Engine, open_engine
+from trioserve.models.compute import describe_compute
 from trioserve.errors import CheckpointError, RequestError, TrioserveError
 from trioserve.http import openai
 from trioserve.http.errors import HTTPError
