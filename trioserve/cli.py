@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     for opt in OPTIONS:  # every flag of trioserve/options.py's table
         add_option(srv, opt)
 
-    rep = commands.add_parser("replay", help="check a trace recorded with `serve --record`: exit 0 when identical, 1 at the first difference, 2 when unreadable")
+    rep = commands.add_parser(
+        "replay",
+        help="check a trace recorded with `serve --record`: exit 0 when identical, 1 at the first difference, 2 when unreadable, "
+        "3 when it came from a CPU class whose level this CPU cannot run",
+    )
     rep.add_argument("trace", metavar="TRACE", help="one .jsonl trace file")
     rep.add_argument("--model", action="store_true", help="also re-run every step on the real model and check its tokens and logprobs")
     rep.add_argument("--checkpoint", metavar="PATH", default=None, help="where the recorded checkpoint is now (default: the path in the trace)")

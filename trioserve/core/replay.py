@@ -373,7 +373,9 @@ def _native_isa() -> str | None:
 def _replay_at(trace: str, checkpoint: str | None, env: dict[str, str]) -> tuple[int, str, str]:
     """`trioserve replay --model` in a child process with ``env`` added (torch
     reads its capability once, when it starts): its status, stdout and stderr."""
-    command = [sys.executable, "-m", "trioserve", "replay", str(trace), "--model"]
+    import torch  # noqa: PLC0415 - loaded already in model mode
+
+    command = [sys.executable, "-m", "trioserve", "replay", str(trace), "--model", "--threads", str(torch.get_num_threads())]
     if checkpoint is not None:
         command += ["--checkpoint", str(checkpoint)]
     done = subprocess.run(
