@@ -247,7 +247,7 @@ def _replay(args: argparse.Namespace) -> int:
     from trioserve.core.replay import main as replay_main
 
     _set_threads(args.threads)
-    return replay_main(args.trace, checkpoint=args.checkpoint, model=args.model)
+    return replay_main(args.trace, checkpoint=args.checkpoint, model=args.model, threads=args.threads)
 
 
 if __name__ == "__main__":

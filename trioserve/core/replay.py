@@ -370,14 +370,14 @@ def _native_isa() -> str | None:
     return None if lib is None else lib.trioserve_isa().decode()
 
 
-def _replay_at(trace: str, checkpoint: str | None, env: dict[str, str]) -> tuple[int, str, str]:
+def _replay_at(trace: str, checkpoint: str | None, env: dict[str, str], threads: int | None) -> tuple[int, str, str]:
     """`trioserve replay --model` in a child process with ``env`` added (torch
     reads its capability once, when it starts): its status, stdout and stderr."""
-    import torch  # noqa: PLC0415 - loaded already in model mode
-
-    command = [sys.executable, "-m", "trioserve", "replay", str(trace), "--model", "--threads", str(torch.get_num_threads())]
+    command = [sys.executable, "-m", "trioserve", "replay", str(trace), "--model"]
     if checkpoint is not None:
         command += ["--checkpoint", str(checkpoint)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     done = subprocess.run(
         command, env={**os.environ, **env, PINNED_ENV: "1"}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
     )
@@ -388,7 +388,7 @@ def _words(env: dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in env.items() if k != "ONEDNN_MAX_CPU_ISA")
 
 
-def _elsewhere(trace: str, checkpoint: str | None, summary: Summary, out: TextIO, err: TextIO) -> int | None:
+def _elsewhere(trace: str, checkpoint: str | None, summary: Summary, out: TextIO, err: TextIO, threads: int | None) -> int | None:
     """After a step result differed: replay at the recorded level where this
     CPU can (its status), say the trace came from a class it cannot run (3),
     or None when the difference stands (same class, or nothing else to try)."""
@@ -400,7 +400,7 @@ def _elsewhere(trace: str, checkpoint: str | None, summary: Summary, out: TextIO
             if level == here.get("torch"):
                 continue
             env = {"ATEN_CPU_CAPABILITY": level.lower(), "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[level]}
-            status, text, _ = _replay_at(trace, checkpoint, env)
+            status, text, _ = _replay_at(trace, checkpoint, env, threads)
             if status == 0:
                 out.write(text)
                 print(f"replay (model): the trace names no CPU class; identical at {_words(env)} (step {step} differed at {here.get('torch')})", file=out)
@@ -416,7 +416,7 @@ def _elsewhere(trace: str, checkpoint: str | None, summary: Summary, out: TextIO
             file=err,
         )
         return OTHER_CLASS
-    status, text, errors = _replay_at(trace, checkpoint, env)
+    status, text, errors = _replay_at(trace, checkpoint, env, threads)
     out.write(text)
     err.write(errors)
     if status == 0:
@@ -424,9 +424,14 @@ def _elsewhere(trace: str, checkpoint: str | None, summary: Summary, out: TextIO
     return status
 
 
-def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def main(
+    trace: str, *, checkpoint: str | None = None, model: bool = False, out: TextIO | None = None, err: TextIO | None = None,
+    threads: int | None = None,
+) -> int:
     """Replay ``trace`` and report on ``out`` (default: sys.stdout at the
-    time of the call) and ``err``; the exit status."""
+    time of the call) and ``err``; the exit status. ``threads``: the CPU
+    threads asked for (None: the default), passed to a replay at another
+    level."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     mode = "model" if model else "fast"
@@ -437,7 +442,7 @@ def main(trace: str, *, checkpoint: str | None = None, model: bool = False, out:
         return 2
     if summary.difference is not None:
         if summary.difference.what == "step result" and not os.environ.get(PINNED_ENV):
-            status = _elsewhere(trace, checkpoint, summary, out, err)
+            status = _elsewhere(trace, checkpoint, summary, out, err, threads)
             if status is not None:
                 return status
         print(summary.difference.report(), file=out)
