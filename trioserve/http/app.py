@@ -30,7 +30,7 @@ from trioserve.http.completions import add_completion_routes
 from trioserve.http.edge import ServerState
 from trioserve.http.embeddings import add_embedding_routes
 from trioserve.http.errors import HTTPError, error_response
-from trioserve.http.guard import allowed_origins, cors_origin, form_content_type
+from trioserve.http.guard import allowed_origins, cors_origin, not_json, refused_content_type
 from trioserve.http.in_flight import InFlight, at_request_end
 from trioserve.http.lora import add_lora_routes
 from trioserve.http.messages import add_message_routes
@@ -170,9 +170,9 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
                 at_request_end(lambda: tenants.leave(tenant))
         if request.method == "POST":
             # A form-like type lets any web page post here cross-origin with no CORS preflight.
-            refused = form_content_type(request.headers.get("Content-Type", ""))
+            refused = refused_content_type(request.headers.get("Content-Type", ""), request.headers.get("Origin"))
             if refused is not None:
-                return error_response(HTTPError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {refused})", code="unsupported_media_type"))
+                return error_response(not_json(refused))
         return None
 
     @app.after_request

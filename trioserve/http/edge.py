@@ -25,6 +25,7 @@ from trioserve.errors import EngineClosed, RequestError, RequestTooLarge
 from trioserve.http import openai
 from trioserve.http.chat_parts import Tool, ToolChoice, tools_offered
 from trioserve.http.errors import HTTPError
+from trioserve.http.guard import form_content_type, not_json
 from trioserve.http.registry import Model
 from trioserve.http.schemas import ChatCompletionRequest, CompletionRequest, one_call_only
 from trioserve.http.structuring import check_json_body
@@ -93,8 +94,13 @@ class ServerState:
 async def read_body(state: ServerState) -> object:
     """The request's JSON body, decoded and passed through check_json_body
     (no lone surrogates, bounded nesting), or an HTTPError/RequestError for
-    the client. Bodies over BIG_BODY are decoded in a thread (`off_loop`)."""
+    the client. Bodies over BIG_BODY are decoded in a thread (`off_loop`).
+
+    Whatever the Content-Type the guard let through (JSON, none, another
+    type), the body is read as JSON; sent as curl's form default (`curl -d`,
+    http/guard.py), a body that is not a JSON object is the guard's 415."""
     limit = state.settings.max_body_bytes
+    form = form_content_type(request.headers.get("Content-Type", ""))
     try:
         raw = await request.get_data(cache=False)
     except RequestEntityTooLarge:
@@ -104,7 +110,11 @@ async def read_body(state: ServerState) -> object:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
+            if form is not None:  # a real form body (a=1&b=2)
+                raise not_json(form) from None
             raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
+        if form is not None and not isinstance(body, dict):
+            raise not_json(form)
         check_json_body(body, raw)
         return body
 

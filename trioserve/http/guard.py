@@ -8,13 +8,23 @@ preflight) only when its content type is one an HTML form could send:
 text/plain, application/x-www-form-urlencoded or multipart/form-data.
 Refusing those keeps any web page a visitor opens from driving the server
 (which may allow other origins: --cors-origins) through the visitor's
-browser; JSON bodies need the preflight, which CORS decides."""
+browser; JSON bodies need the preflight, which CORS decides.
+
+One exception, for curl: `curl -d '{...}'` labels its body
+application/x-www-form-urlencoded. A request of that type without an
+``Origin`` header (which a browser puts on every POST, a form's included, so
+no page can leave it out) has its body read as JSON when it parses as a
+JSON object (edge.read_body), as llama-server does; one that does not parse
+is refused with the same 415."""
 
 from __future__ import annotations
 
 import hmac
 
-FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+from trioserve.http.errors import HTTPError
+
+CURL_FORM = "application/x-www-form-urlencoded"  # what `curl -d` sends without -H 'Content-Type: ...'
+FORM_TYPES = frozenset({"text/plain", CURL_FORM, "multipart/form-data"})
 
 
 def bearer_matches(authorization: str, api_key: str) -> bool:
@@ -32,6 +42,22 @@ def form_content_type(content_type: str) -> str | None:
     otherwise (JSON, ``+json`` types, other types, or no Content-Type)."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media if media in FORM_TYPES else None
+
+
+def refused_content_type(content_type: str, origin: str | None) -> str | None:
+    """The form type a POST is refused for before its body is read (415,
+    `not_json`), or None to let it through: JSON, other types, no type, and
+    curl's form default from a client that sent no ``Origin`` (not a web
+    page), whose body read_body reads as JSON if it parses as an object."""
+    media = form_content_type(content_type)
+    if media == CURL_FORM and origin is None:
+        return None
+    return media
+
+
+def not_json(media: str) -> HTTPError:
+    """The 415 for a body sent as the form type ``media``."""
+    return HTTPError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {media})", code="unsupported_media_type")
 
 
 def allowed_origins(setting: str | None) -> frozenset[str]:
