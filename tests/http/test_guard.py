@@ -104,17 +104,29 @@ async def test_no_content_type_with_a_json_body_is_read_as_json(nursery, tiny_gg
     assert garbage.json()["error"]["message"].startswith("the request body is not valid JSON: Expecting value: line 1 column 1"), garbage.body
 
 
-@pytest.mark.parametrize("body", [b"a=1&b=2", b"messages=hi&max_tokens=2", b"[1, 2]", b'"hi"', b"null", b'{"unclosed": '])
-async def test_curl_default_form_type_with_a_body_that_is_not_a_json_object_is_415(nursery, tiny_gguf, body):
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"a=1&b=2", NOT_JSON),
+        (b"messages=hi&max_tokens=2", NOT_JSON),
+        (b"[1, 2]", NOT_JSON),
+        (b'"hi"', NOT_JSON),
+        (b"null", NOT_JSON),
+        # JSON with a mistake in it: the 415 says what the JSON reading met, too.
+        (b'{"tools": [...]}', NOT_JSON + "; read as JSON, the body is not valid: Expecting value: line 1 column 12 (char 11)"),
+        (b' {"unclosed": ', NOT_JSON + "; read as JSON, the body is not valid: Expecting value: line 1 column 15 (char 14)"),
+    ],
+)
+async def test_curl_default_form_type_with_a_body_that_is_not_a_json_object_is_415(nursery, tiny_gguf, body, message):
     url = await start_server(nursery, make_settings(tiny_gguf))
     for path in CURL_BODIES:
         reply = await curl_post(url, path, body)
         assert reply.status == 415, (path, reply.status, reply.body[:500])
         error = reply.json()["error"]
         if path == "/v1/messages":  # Anthropic's shape there
-            assert error == {"type": "invalid_request_error", "message": NOT_JSON}, error
+            assert error == {"type": "invalid_request_error", "message": message}, error
         else:
-            assert error == {"message": NOT_JSON, "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}, error
+            assert error == {"message": message, "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}, error
 
 
 async def test_a_browser_page_gets_no_json_reading_of_a_form_body(nursery, tiny_gguf):

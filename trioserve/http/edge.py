@@ -110,8 +110,8 @@ async def read_body(state: ServerState) -> object:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
-            if form is not None:  # a real form body (a=1&b=2)
-                raise not_json(form) from None
+            if form is not None:  # a real form body (a=1&b=2), or JSON with a mistake (curl -d '{...')
+                raise not_json(form, str(exc) if raw.lstrip()[:1] in (b"{", b"[") else None) from None
             raise HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
         if form is not None and not isinstance(body, dict):
             raise not_json(form)

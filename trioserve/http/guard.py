@@ -55,9 +55,11 @@ def refused_content_type(content_type: str, origin: str | None) -> str | None:
     return media
 
 
-def not_json(media: str) -> HTTPError:
-    """The 415 for a body sent as the form type ``media``."""
-    return HTTPError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {media})", code="unsupported_media_type")
+def not_json(media: str, why: str | None = None) -> HTTPError:
+    """The 415 for a body sent as the form type ``media``; ``why``: what
+    reading it as JSON met, for a body that looks like JSON with a mistake."""
+    also = f"; read as JSON, the body is not valid: {why}" if why else ""
+    return HTTPError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {media}){also}", code="unsupported_media_type")
 
 
 def allowed_origins(setting: str | None) -> frozenset[str]:
