@@ -41,6 +41,7 @@ from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
 from trioserve.http.tenants import Tenants, TenantsError, TooManyInFlight
 from trioserve.http.status import add_status_routes
+from trioserve.http.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from trioserve.models.checkpoint import Checkpoint
 from trioserve.state.durable import Rows, open_store
 
@@ -156,13 +157,14 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
         if request.method == "OPTIONS":
             return None
         path = request.path
-        if path.startswith("/v1") or (path.startswith("/metrics") and not settings.metrics_public):
+        keyed = path.startswith("/v1") or path in TOKENIZER_PATHS  # the API, and the tokenizer routes beside it
+        if keyed or (path.startswith("/metrics") and not settings.metrics_public):
             headers = request.headers
             tenant = tenants.identify(headers.get("Authorization", ""), headers.get("X-Api-Key", ""))
             if tenant is None:
                 return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>')", kind="authentication_error", code="invalid_api_key"))
             g.tenant = tenant
-            if path.startswith("/v1"):
+            if keyed:
                 try:
                     tenants.enter(tenant)
                 except TooManyInFlight as exc:
@@ -215,4 +217,5 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
     add_rerank_routes(app, state)
     state.responses = add_response_routes(app, state)
     add_message_routes(app, state)
+    add_tokenizer_routes(app, state)
     return app
