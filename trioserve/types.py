@@ -396,6 +396,12 @@ class FinalEvent:
     timings: Timings | None = None
     draw_end: int = 0  # the next unused draw index of the request's stream
     embedding: tuple[float, ...] | None = None  # an embedding request's vector (float32 values), when it ends with "stop"
+    # The generated token that ended the request by being a stop id (an
+    # end-of-text or end-of-turn token, or one of stop_token_ids): it has no
+    # TokenEvent (its text is never output) but it was sampled and counts in
+    # completion_tokens, so logprobs list it, with its logprob and top. Not
+    # written to traces: it follows from the step result recorded there.
+    stop_token: TokenEvent | None = None
 
 
 Event = TokenEvent | PromptEvent | FinalEvent

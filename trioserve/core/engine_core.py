@@ -401,15 +401,16 @@ class EngineCore:
         is_stop_id = sampled.token in seq.stop_ids
         outcome = seq.commit(sampled.token, sampled.draws, now)
         self.stats.generated_tokens += 1
-        tail = ""
-        if is_stop_id:
-            tail = outcome.text
-        else:
-            events.append(TokenEvent(seq.id, sampled.token, outcome.text, sampled.logprob, sampled.top_logprobs))
+        token = TokenEvent(seq.id, sampled.token, outcome.text, sampled.logprob, sampled.top_logprobs)
+        if not is_stop_id:
+            events.append(token)
         if outcome.finish_reason is None:
             return False
         self.policy.finish(seq, outcome.finish_reason)
-        events.append(self._final(seq, outcome.finish_reason, text=tail))
+        if is_stop_id:  # its text is what was held back until now; the token itself is listed by logprobs alone
+            events.append(self._final(seq, outcome.finish_reason, text=outcome.text, stop_token=attrs.evolve(token, text="")))
+        else:
+            events.append(self._final(seq, outcome.finish_reason))
         return True
 
     def _fail(self, seq: Sequence, error: str) -> FinalEvent:
@@ -417,7 +418,7 @@ class EngineCore:
             self.policy.finish(seq, "error")
         return self._final(seq, "error", error=error)
 
-    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None, vector=None) -> FinalEvent:
+    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None, vector=None, stop_token=None) -> FinalEvent:
         now = self._now
         self.stats.end_to_end.add(now - seq.arrival)
         self.stats.finished[reason] += 1
@@ -428,4 +429,4 @@ class EngineCore:
         )
         del self.seqs[seq.id]
         usage = Usage(len(seq.prompt_ids), seq.generated, seq.cached_prompt)
-        return FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings, seq.draw_index, vector)
+        return FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings, seq.draw_index, vector, stop_token)

@@ -57,7 +57,7 @@ class CompletionRender:
     def _logprobs(self, c: openai.Choice) -> dict | None:
         if not self.job.logprobs:
             return None
-        return openai.completion_logprobs(self.tokenizer, c.tokens, len(self._echoed(c.index)), self._echo_scores(c.index, c))
+        return openai.completion_logprobs(self.tokenizer, c.scored, len(self._echoed(c.index)), self._echo_scores(c.index, c))
 
     def _cached(self, finals) -> int:
         """Usage's cached prompt tokens: those of each prompt's first choice."""
@@ -159,6 +159,15 @@ class CompletionRender:
             chunks.insert(0, (self._role_chunk(choice.index, content), 0))
         return chunks
 
+    def _completion_logprobs(self, index: int, token) -> dict:
+        """A streamed completion's logprobs for one generated token. Offsets
+        count from the start of the choice's text, echoed prompt included,
+        by the tokens' own texts, as buffered ones do."""
+        at = self._text_offsets.get(index, len(self._echoed(index)))
+        lp = openai.completion_logprobs(self.tokenizer, [token], at)
+        self._text_offsets[index] = at + len(lp["tokens"][0])
+        return lp
+
     def _chunks(self, choice: openai.Choice, event, deltas):
         job, tok = self.job, self.tokenizer
         index = choice.index
@@ -173,12 +182,15 @@ class CompletionRender:
                 _, body, _ = to_response(self.conn.failure(event))
                 yield openai.sse(body), event.usage.completion_tokens
                 return
+            stop = event.stop_token if job.logprobs else None  # the stop token's entry comes with the last chunk
             if self.chat:
                 for delta in deltas:
                     yield openai.sse(openai.chat_chunk(job.id, job.created, job.model, index, openai.delta_body(delta))), 0
-                yield openai.sse(openai.chat_chunk(job.id, job.created, job.model, index, {}, choice.finish_reason)), event.usage.completion_tokens
+                lp = None if stop is None else openai.chat_logprob_entries(tok, [stop])
+                yield openai.sse(openai.chat_chunk(job.id, job.created, job.model, index, {}, choice.finish_reason, lp)), event.usage.completion_tokens
             else:
-                yield openai.sse(openai.completion_chunk(job.id, job.created, job.model, index, event.text, event.finish_reason)), event.usage.completion_tokens
+                lp = None if stop is None else self._completion_logprobs(index, stop)
+                yield openai.sse(openai.completion_chunk(job.id, job.created, job.model, index, event.text, event.finish_reason, lp)), event.usage.completion_tokens
             return
         if self.chat:
             lp = openai.chat_logprob_entries(tok, [event]) if job.logprobs else None
@@ -188,10 +200,5 @@ class CompletionRender:
             for i, body in enumerate(bodies):
                 yield openai.sse(openai.chat_chunk(job.id, job.created, job.model, index, body, None, lp if i == 0 else None)), 0
         else:
-            lp = None
-            if job.logprobs:
-                # Offsets count from the start of the choice's text, echoed prompt included, as buffered ones do.
-                at = self._text_offsets.get(index, len(self._echoed(index)))
-                lp = openai.completion_logprobs(tok, [event], at)
-                self._text_offsets[index] = at + len(lp["tokens"][0])
+            lp = self._completion_logprobs(index, event) if job.logprobs else None
             yield openai.sse(openai.completion_chunk(job.id, job.created, job.model, index, event.text, None, lp)), 0

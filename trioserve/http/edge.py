@@ -255,6 +255,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, defau
         given["top_k"] = max(request.top_k, 0)  # -1 and 0 both turn it off; SamplingParams' off is 0
     if request.logit_bias is not None:
         given["logit_bias"] = tuple(request.logit_bias.items())
+    if request.stop_token_ids is not None:
+        given["stop_token_ids"] = request.stop_token_ids
     sent = request.seed if seed is AS_SENT else seed
     if sent is not None:
         given["seed"] = resolve_seed(sent)

@@ -42,7 +42,7 @@ from trioserve.http.tools import message_dict
 # server's sampling and guided-decoding extensions (as on /v1/chat/completions).
 PASSED = (
     "model", "temperature", "top_p", "top_k", "stream",
-    "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+    "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids",
     "guided_json", "guided_regex", "guided_grammar", "guided_choice",
 )  # fmt: skip
 # What this module reads itself.

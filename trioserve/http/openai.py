@@ -75,6 +75,13 @@ class Choice:
         return deltas
 
     @property
+    def scored(self) -> list[TokenEvent]:
+        """Every generated token, for logprobs: the output's, then the stop
+        token that ended the choice, if one did (its text is not output)."""
+        stop = self.final.stop_token if self.final is not None else None
+        return self.tokens if stop is None else [*self.tokens, stop]
+
+    @property
     def content(self) -> str:
         """The raw text the model produced (tags and all)."""
         return "".join(self.text)
@@ -230,7 +237,7 @@ def chat_body(
         {
             "index": c.index,
             "message": c.message(),
-            "logprobs": {"content": chat_logprob_entries(tokenizer, c.tokens)} if logprobs else None,
+            "logprobs": {"content": chat_logprob_entries(tokenizer, c.scored)} if logprobs else None,
             "finish_reason": c.finish_reason,
         }
         for c in choices

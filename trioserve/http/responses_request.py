@@ -34,7 +34,7 @@ from trioserve.http.tools import message_dict
 # this server's sampling extensions (as on /v1/chat/completions).
 PASSED = (
     "model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "cache_salt",
-    "seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
+    "seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "stop_token_ids",
 )  # fmt: skip
 # Fields accepted and ignored: they ask for nothing this server does differently.
 IGNORED = (

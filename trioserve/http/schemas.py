@@ -96,6 +96,14 @@ def _cache_salt(value: str) -> None:
         raise Invalid(f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
 
 
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _stop_token_ids(value: tuple[int, ...]) -> None:
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise Invalid(f"at most {MAX_STOP_TOKEN_IDS} token ids are allowed, got {len(value)}")
+
+
 def _stop_text(text: str, at: str = "") -> None:
     if not text:
         raise Invalid("stop strings must not be empty", at=at)
@@ -220,6 +228,7 @@ class ChatCompletionRequest:
     user: str | None = None
     cache_salt: str | None = field(None, check=_cache_salt)  # vLLM's: share cached prompt blocks only with the same salt
     ignore_eos: bool = False  # an extension (vLLM has it)
+    stop_token_ids: tuple[int, ...] | None = field(None, check=_stop_token_ids)  # vLLM's: more ids that end the output
     tools: tuple[Tool, ...] | None = field(None, check=tool_count)
     tool_choice: ToolChoice | None = field(None, parse=parse_tool_choice)
     parallel_tool_calls: bool = True
@@ -252,6 +261,7 @@ class CompletionRequest:
     user: str | None = None
     cache_salt: str | None = field(None, check=_cache_salt)
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] | None = field(None, check=_stop_token_ids)
     echo: bool = False
     logprobs: int | None = field(None, check=_completion_logprobs)  # top logprobs per token
     prompt_logprobs: int | None = field(None, check=_within(Range(0, MAX_TOP_LOGPROBS)))  # vLLM's: score the prompt

@@ -50,7 +50,7 @@ from trioserve.state.session_store import SessionStore
 # Chat fields a session keeps as defaults for its turns.
 SETTINGS = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "max_tokens", "max_completion_tokens", "stop", "logit_bias", "ignore_eos",
+    "repetition_penalty", "max_tokens", "max_completion_tokens", "stop", "logit_bias", "ignore_eos", "stop_token_ids",
     "tools", "tool_choice", "parallel_tool_calls", *CONSTRAINT_FIELDS,
 )  # fmt: skip
 PLACEHOLDER = [{"role": "user", "content": "-"}]
