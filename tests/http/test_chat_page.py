@@ -33,7 +33,7 @@ import httpx
 import pytest
 import trio
 
-from tests.http.conftest import MODEL_NAME, make_settings, start_server
+from tests.http.conftest import MODEL_NAME, assert_error, make_settings, start_server
 from trioserve.config import EngineConfig, ServerSettings
 from trioserve.http.page import PAGE
 
@@ -109,13 +109,24 @@ async def test_json_accept_gets_the_api_index(server):
     assert "docs/api.md" in index["docs"]["files"]
 
 
-async def test_with_an_api_key_the_page_loads_and_the_index_hides_the_models(nursery, tiny_gguf):
-    url = await start_server(nursery, make_settings(tiny_gguf, api_key="sesame"))
+@pytest.mark.parametrize("how", ["flag", "file"])
+async def test_with_api_keys_the_page_loads_and_the_index_wants_a_key(nursery, tiny_gguf, tmp_path, how):
+    if how == "flag":
+        settings = make_settings(tiny_gguf, api_key="sesame")
+    else:  # --api-keys-file alone (issue #49: the index said api_key_required false and listed the models)
+        keys = tmp_path / "keys"
+        keys.write_text("alice: sesame\n")
+        settings = attrs.evolve(make_settings(tiny_gguf), api_keys_file=str(keys))
+    url = await start_server(nursery, settings)
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         page = await client.get("/", headers={"Accept": BROWSER_ACCEPT})
         assert page.status_code == 200 and page.text == PAGE
-        index = (await client.get("/", headers={"Accept": "application/json"})).json()
-        assert index["api_key_required"] is True and index["models"] is None
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = await client.get("/", headers={"Accept": "application/json", **headers})
+            assert_error(refused, 401, fragment="missing or wrong API key", param=None, kind="authentication_error", code="invalid_api_key")
+            assert set(refused.json()) == {"error"} and refused.headers["vary"] == "Accept"
+        index = (await client.get("/", headers={"Accept": "application/json", "Authorization": "Bearer sesame"})).json()
+        assert index["api_key_required"] is True and index["models"] == [{"id": MODEL_NAME, "state": "ready"}]
         assert (await client.get("/v1/models")).status_code == 401
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import attrs
 import httpx
@@ -182,6 +183,22 @@ async def test_the_keys_file_names_tenants_and_is_read_again_on_sighup(nursery, 
             await trio.sleep(0.2)
             assert (await carol.get("/v1/models")).status_code == 200 and (await two.get("/v1/models")).status_code == 200
 
+            # No key at all (emptied, or comments only, or replaced by a FIFO): the keys stay, the server stays locked.
+            fifo = tmp_path / "fifo"
+            os.mkfifo(fifo)
+            for text in ("", "# every key retired\n\n", None):
+                if text is None:
+                    keys.unlink()
+                    keys.symlink_to(fifo)
+                else:
+                    keys.write_text(text)
+                os.kill(os.getpid(), signal.SIGHUP)
+                await trio.sleep(0.2)
+                async with client(url, None) as nobody:
+                    assert (await nobody.get("/v1/models")).status_code == 401
+                    assert (await nobody.get("/metrics")).status_code == 401
+                assert (await carol.get("/v1/models")).status_code == 200
+
 
 def test_keys_file_mistakes_are_named_by_line(tmp_path):
     keys = tmp_path / "keys"
@@ -197,6 +214,21 @@ def test_keys_file_mistakes_are_named_by_line(tmp_path):
         assert fragment in str(caught.value) and "\n" not in str(caught.value)
     with pytest.raises(TenantsError, match="cannot be read"):
         read_keys_file(tmp_path / "missing")
+    for text in ("", "\n  \n", "# alice: k\n# bob: j\n"):
+        keys.write_text(text)
+        with pytest.raises(TenantsError) as caught:
+            Tenants(keys_file=str(keys))
+        assert str(caught.value) == f"{keys}: no 'tenant: key' line (the file is empty or all comments); refusing to run without the keys it should hold"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, why in ((fifo, "not a regular file"), (tmp_path, "not a regular file"), (Path("/dev/zero"), "not a regular file")):
+        with pytest.raises(TenantsError) as caught:
+            read_keys_file(path)
+        assert str(caught.value) == f"{path}: cannot be read ({why})"
+    keys.write_bytes(b"alice: " + b"k" * (1 << 20) + b"\n")
+    with pytest.raises(TenantsError) as caught:
+        read_keys_file(keys)
+    assert str(caught.value) == f"{keys}: cannot be read (larger than {1 << 20} bytes)"
 
 
 def test_flag_keys_are_tenants_named_by_their_hash():
@@ -208,14 +240,21 @@ def test_flag_keys_are_tenants_named_by_their_hash():
     assert Tenants().identify("", "") == "" and not Tenants().required
 
 
-async def test_a_keys_file_that_cannot_be_used_stops_the_server_in_one_line(tiny_gguf, tmp_path):
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("alice: secret\nbob secret2\n", "{keys}:2: expected 'tenant: key'"),
+        ("# alice: secret\n\n", "{keys}: no 'tenant: key' line (the file is empty or all comments); refusing to run without the keys it should hold"),
+    ],
+)
+async def test_a_keys_file_that_cannot_be_used_stops_the_server_in_one_line(tiny_gguf, tmp_path, text, message):
     keys = tmp_path / "keys"
-    keys.write_text("alice: secret\nbob secret2\n")
+    keys.write_text(text)
     command = serve_command("--model", str(tiny_gguf), "--api-keys-file", str(keys), "--state-dir", "none")
     with trio.fail_after(TIMEOUT):
         done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
     lines = [line for line in done.stderr.decode().splitlines() if not line.startswith(("Loading", "Building"))]
-    assert done.returncode == 2 and lines == [f"trioserve: error: {keys}:2: expected 'tenant: key'"], done.stderr.decode()
+    assert done.returncode == 2 and lines == ["trioserve: error: " + message.format(keys=keys)], done.stderr.decode()
     assert "secret" not in done.stderr.decode()
 
 

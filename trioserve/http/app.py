@@ -39,7 +39,7 @@ from trioserve.http.registry import fix_mmap_threshold, load_startup_models, ope
 from trioserve.http.rerank import add_rerank_routes
 from trioserve.http.responses import add_response_routes
 from trioserve.http.sessions import add_session_routes
-from trioserve.http.tenants import Tenants, TenantsError, TooManyInFlight
+from trioserve.http.tenants import MISSING_KEY, Tenants, TenantsError, TooManyInFlight
 from trioserve.http.status import add_status_routes
 from trioserve.http.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from trioserve.models.checkpoint import Checkpoint
@@ -162,7 +162,7 @@ def create_app(settings: ServerSettings | None = None, *, checkpoint: Checkpoint
             headers = request.headers
             tenant = tenants.identify(headers.get("Authorization", ""), headers.get("X-Api-Key", ""))
             if tenant is None:
-                return error_response(HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>')", kind="authentication_error", code="invalid_api_key"))
+                return error_response(HTTPError(401, MISSING_KEY, kind="authentication_error", code="invalid_api_key"))
             g.tenant = tenant
             if keyed:
                 try:

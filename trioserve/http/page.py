@@ -21,7 +21,8 @@ from quart import Response, request
 
 from trioserve import __version__
 from trioserve.http.edge import ServerState
-from trioserve.http.errors import json_response
+from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.http.tenants import MISSING_KEY
 
 PAGE_FILE = "static/chat.html"
 DOCS = ("README.md", "docs/running.md", "docs/api.md", "docs/configuration.md")
@@ -87,20 +88,18 @@ def route_list(app) -> list[dict]:
 
 def api_index(app, state: ServerState, base_url: str) -> dict:
     """What GET / answers a program: the server, its models, its routes.
-    With --api-key set the models are listed by /v1/models only (behind the key)."""
+    With API keys (--api-key or --api-keys-file) only a caller with a key
+    gets it (the route answers anyone else the 401 that /v1 gives)."""
     base = base_url.rstrip("/")
-    locked = bool(state.settings.api_key)
-    models = None
-    if not locked:
-        registry = state.registry
-        models = [{"id": m.name, "state": m.state} for m in registry.models.values()] if registry is not None else []
+    registry = state.registry
+    models = [{"id": m.name, "state": m.state} for m in registry.models.values()] if registry is not None else []
     return {
         "object": "trioserve.index",
         "name": "trioserve",
         "version": __version__,
         "status": state.phase,
         "models": models,
-        "api_key_required": locked,
+        "api_key_required": state.tenants.required,
         "openai_base_url": f"{base}/v1",
         "chat_page": f"{base}/",
         "routes": route_list(app),
@@ -112,5 +111,8 @@ def add_page_routes(app, state: ServerState) -> None:
     @app.route("/", methods=["GET"])
     async def index() -> Response:
         if wants_json(request.accept_mimetypes):
+            tenants, headers = state.tenants, request.headers
+            if tenants.required and tenants.identify(headers.get("Authorization", ""), headers.get("X-Api-Key", "")) is None:
+                return error_response(HTTPError(401, MISSING_KEY, kind="authentication_error", code="invalid_api_key", headers={"Vary": "Accept"}))
             return json_response(api_index(app, state, request.host_url), headers={"Vary": "Accept"})
         return Response(PAGE, mimetype="text/html", headers=PAGE_HEADERS)

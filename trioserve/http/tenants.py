@@ -29,6 +29,7 @@ import attrs
 from trioserve.errors import TrioserveError
 
 ANONYMOUS = ""  # the one tenant there is without API keys
+MISSING_KEY = "missing or wrong API key (send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>')"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -47,11 +48,30 @@ def flag_tenant(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+MAX_KEYS_FILE_BYTES = 1 << 20  # a keys file is a few lines; a bound keeps a wrong path (a device, a log) from being read whole
+
+
+def _read_small_file(path: str | Path) -> str:
+    """The text of a regular file of at most MAX_KEYS_FILE_BYTES; OSError
+    or ValueError saying why not (a FIFO, a device or a directory is never
+    opened for reading: it could block or never end)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError("not a regular file" if path.exists() else "no such file")
+    with path.open("rb") as f:
+        data = f.read(MAX_KEYS_FILE_BYTES + 1)
+    if len(data) > MAX_KEYS_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_KEYS_FILE_BYTES} bytes")
+    return data.decode("utf-8")
+
+
 def read_keys_file(path: str | Path) -> list[tuple[str, str]]:
-    """(tenant, key) of each line of ``path``; TenantsError naming the line."""
+    """(tenant, key) of each line of ``path``; TenantsError naming the line,
+    or saying the file has no key at all (an empty or comments-only file
+    would otherwise leave the server with no key, that is open to anyone)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = _read_small_file(path)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise TenantsError(f"{path}: cannot be read ({exc})") from None
     pairs = []
     for number, line in enumerate(text.splitlines(), 1):
@@ -65,6 +85,8 @@ def read_keys_file(path: str | Path) -> list[tuple[str, str]]:
         if not _NAME.fullmatch(tenant):
             raise TenantsError(f"{path}:{number}: a tenant name is 1 to 64 letters, digits and ._- (got {tenant[:70]!r})")
         pairs.append((tenant, key))
+    if not pairs:
+        raise TenantsError(f"{path}: no 'tenant: key' line (the file is empty or all comments); refusing to run without the keys it should hold")
     return pairs
 
 
