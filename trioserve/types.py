@@ -402,6 +402,10 @@ class FinalEvent:
     # completion_tokens, so logprobs list it, with its logprob and top. Not
     # written to traces: it follows from the step result recorded there.
     stop_token: TokenEvent | None = None
+    # With finish_reason "error": the request field at fault when the request
+    # itself made it fail (an output constraint that broke down while it
+    # ran: a 400 naming the field), None for the server's own faults.
+    error_field: str | None = None
 
 
 Event = TokenEvent | PromptEvent | FinalEvent

@@ -172,6 +172,24 @@ async def test_bad_constraints_are_400_naming_the_field(server, extra, status, f
         assert (await client.get(f"/v1/sessions/{sid}")).json()["busy"] is False
 
 
+BLOWN = "(a{1000}){1000}"  # compiles, then llguidance's lexer gives up on the first token (issue #49: was a 500 with its state dump)
+
+
+async def test_a_constraint_that_breaks_down_while_generating_is_400_naming_the_field(server):
+    want = "guided_regex: the output constraint failed while generating: lexer error: too many expressions constructed"
+    async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+        for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Say a:"})):
+            response = await client.post(path, json={**body, "guided_regex": BLOWN, "max_tokens": 4})
+            error = assert_error(response, 400, fragment=want, param="guided_regex")
+            assert "<state>" not in error["message"] and "\n" not in error["message"]
+            async with client.stream("POST", path, json={**body, "guided_regex": BLOWN, "max_tokens": 4, "stream": True}) as streamed:
+                sse = await read_sse(streamed)
+            (event,) = [c for c in sse.chunks if "error" in c]
+            assert event["error"]["message"] == want and event["error"]["param"] == "guided_regex", event
+        # The server is fine afterwards.
+        assert (await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})).status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_reasoning_goes_to_its_own_field_even_with_markers_split_across_tokens(nursery, tiny_gguf, stream):
     """The tiny tokenizer spells <think> in several tokens; a regex makes the

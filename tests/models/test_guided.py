@@ -16,7 +16,7 @@ import torch
 
 from trioserve.errors import RequestError
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.guided import GuideCompiler, GuideSpec, apply_masks
+from trioserve.models.guided import GuideCompiler, GuideFailed, GuideSpec, apply_masks
 
 SCHEMA = {
     "type": "object",
@@ -99,8 +99,11 @@ def test_masks_leave_unguided_rows_alone_and_never_touch_the_input(compiler):
 def test_a_token_the_mask_forbids_is_refused(compiler):
     (guide,) = compiler.guides(GuideSpec("choice", ("yes",)), 1)
     no = compiler.tokenizer.encode("no", add_bos=False)[0]
-    with pytest.raises(ValueError, match="breaks the output constraint"):
+    with pytest.raises(GuideFailed) as caught:
         guide.advance(no)
+    assert caught.value.field == "response_format"
+    assert str(caught.value).startswith("response_format: the output constraint failed while generating: ")
+    assert "\n" not in str(caught.value) and "<state>" not in str(caught.value)  # llguidance's first line, never its state dump
 
 
 @pytest.mark.parametrize(

@@ -395,8 +395,8 @@ class EngineCore:
         if seq.guide is not None:
             try:
                 seq.guide.advance(sampled.token)
-            except ValueError as exc:
-                events.append(self._fail(seq, str(exc)))
+            except ValueError as exc:  # the request's constraint failed (models.guided.GuideFailed names its field)
+                events.append(self._fail(seq, str(exc), field=getattr(exc, "field", None)))
                 return True
         is_stop_id = sampled.token in seq.stop_ids
         outcome = seq.commit(sampled.token, sampled.draws, now)
@@ -413,12 +413,12 @@ class EngineCore:
             events.append(self._final(seq, outcome.finish_reason))
         return True
 
-    def _fail(self, seq: Sequence, error: str) -> FinalEvent:
+    def _fail(self, seq: Sequence, error: str, field: str | None = None) -> FinalEvent:
         if seq in self.policy.running:
             self.policy.finish(seq, "error")
-        return self._final(seq, "error", error=error)
+        return self._final(seq, "error", error=error, error_field=field)
 
-    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None, vector=None, stop_token=None) -> FinalEvent:
+    def _final(self, seq: Sequence, reason: str, *, text: str = "", error: str | None = None, vector=None, stop_token=None, error_field: str | None = None) -> FinalEvent:
         now = self._now
         self.stats.end_to_end.add(now - seq.arrival)
         self.stats.finished[reason] += 1
@@ -429,4 +429,4 @@ class EngineCore:
         )
         del self.seqs[seq.id]
         usage = Usage(len(seq.prompt_ids), seq.generated, seq.cached_prompt)
-        return FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings, seq.draw_index, vector, stop_token)
+        return FinalEvent(seq.id, reason, usage, seq.seed, text, error, timings, seq.draw_index, vector, stop_token, error_field)

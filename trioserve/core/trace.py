@@ -154,6 +154,8 @@ def event_json(event: Event) -> dict:
         }
         if event.embedding is not None:
             out["embedding"] = list(event.embedding)
+        if event.error_field is not None:
+            out["error_field"] = event.error_field
         return out
     return {
         "token": event.request_id,

@@ -78,7 +78,11 @@ class Connection:
         return self.engine.generate(self.job.request(index))
 
     def failure(self, final: FinalEvent) -> HTTPError:
-        """The error a failed generation answers with (503 once the engine is dead)."""
+        """The error a failed generation answers with: a 400 naming the field
+        when the request's own constraint broke down, else 503 once the
+        engine is dead, 500 before."""
+        if final.error_field is not None:
+            return HTTPError(400, final.error or "generation failed", param=final.error_field)
         return HTTPError(503 if self.engine.statistics().dead else 500, final.error or "generation failed", kind="server_error")
 
     async def final(self, choice: openai.Choice) -> None:

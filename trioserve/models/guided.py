@@ -45,6 +45,17 @@ class GuideSpec:
     field: str = "response_format"
 
 
+class GuideFailed(ValueError):
+    """A constraint that broke down while its request ran (llguidance gave
+    up: a pattern too big for its lexer, say): the request's fault, a 400
+    naming ``field``. The message is llguidance's first line: never its
+    internal state dump."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: the output constraint failed while generating: {message}")
+        self.field = field
+
+
 class Guide:
     """One request's constraint state. Not thread-safe: the scheduler and
     the mask thread take turns (the scheduler waits for the masks)."""
@@ -57,7 +68,8 @@ class Guide:
         """Take the sampled token. Raises ValueError if it breaks the
         constraint (only possible if its mask was not applied)."""
         if not self.matcher.consume_token(token):
-            raise ValueError(f"token {token} breaks the output constraint: {self.matcher.get_error()}")
+            error = self.matcher.get_error().split("\n", 1)[0].strip() or f"token {token} is not allowed"
+            raise GuideFailed(self.spec.field, _one_line(error))
 
     @property
     def done(self) -> bool:
