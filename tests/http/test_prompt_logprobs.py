@@ -187,6 +187,42 @@ async def test_echo_with_generation_keeps_the_generated_tokens_logprobs(walked):
     assert e["logprobs"]["text_offset"][LENGTH:] == [at + len(prompt_text) for at in p["logprobs"]["text_offset"]]
 
 
+async def test_each_prompt_is_scored_once_whatever_n_and_every_choice_shows_its_scores(walked):
+    """n: 4 (and two prompts): every choice lists its prompt's scores, the
+    same as n: 1 gives, buffered and streamed; only each prompt's first
+    choice asks the engine to score it (issue #49: each choice rescored
+    the prompt, n times the output head over every prompt position)."""
+    url, ids, refs, _ = walked
+    other = ids[:20]
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        one = await score(client, scoring([ids, other], max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+        four = await score(client, scoring([ids, other], max_tokens=2, ignore_eos=True, prompt_logprobs=2, n=4, seed=5, temperature=1))
+        async with client.stream("POST", "/v1/completions", json=scoring([ids, other], max_tokens=2, ignore_eos=True, n=4, seed=5, temperature=1, stream=True)) as response:
+            streamed = await read_sse(response)
+    assert len(four["choices"]) == 8 and four["usage"]["prompt_tokens"] == LENGTH + 20
+    for choice in four["choices"]:
+        prompt, length = divmod(choice["index"], 4)[0], (LENGTH, 20)[choice["index"] // 4]
+        want = one["choices"][prompt]
+        assert choice["logprobs"]["token_logprobs"][:length] == want["logprobs"]["token_logprobs"][:length]
+        assert choice["logprobs"]["top_logprobs"][:length] == want["logprobs"]["top_logprobs"][:length]
+        assert choice["prompt_logprobs"] == want["prompt_logprobs"]
+        head = streamed.choice_chunks(choice["index"])[0]  # each streamed choice opens with its echoed, scored prompt
+        assert head["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"][:length]
+    assert four["choices"][0]["logprobs"]["token_logprobs"][1:LENGTH] == refs
+
+
+def test_only_the_first_choice_of_each_prompt_asks_for_the_scores():
+    from trioserve.http.job import GenerationJob, Prompt
+    from trioserve.types import SamplingParams
+
+    params = SamplingParams(max_tokens=2, seed=1, prompt_logprobs=5)
+    job = GenerationJob(id="cmpl-x", shape="text", model="m", created=0, prompts=[Prompt("a", [5, 6], params), Prompt("b", [7], params)], n=4)
+    asked = [job.request(i).params.prompt_logprobs for i in range(job.choices)]
+    assert asked == [5, None, None, None, 5, None, None, None]
+    assert [job.scorer(i) for i in range(8)] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert len({job.request(i).params.seed for i in range(4)}) == 4  # each choice keeps its own seed
+
+
 async def test_prompt_logprobs_on_completions_in_vllms_shape(walked):
     url, ids, refs, tops = walked
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:

@@ -35,6 +35,7 @@ class CompletionRender:
         self.chat = self.job.shape != "text"  # chat and turn
         self._text_offsets: dict[int, int] = {}  # streamed completions: each choice's next token's text_offset
         self._role_pending: set[int] = set()  # chat choices whose role chunk waits for their first output
+        self._scores: dict[int, object] = {}  # streamed: each prompt's scores (its first choice's PromptEvent), by that choice's index
 
     def seen(self, choice: openai.Choice, deltas: list) -> None:
         pass  # a buffered body is made from the finished choices alone
@@ -65,6 +66,9 @@ class CompletionRender:
 
     async def body(self, choices: list[openai.Choice]) -> Response:
         job = self.job
+        for c in choices:  # a prompt is scored once, by its first choice (job.request): the others show its scores
+            if c.prompt is None:
+                c.prompt = choices[job.scorer(c.index)].prompt
         await self.conn.final(choices[0])
         if self.chat:
             return json_response(
@@ -114,6 +118,10 @@ class CompletionRender:
                 yield openai.sse(openai.completion_chunk(job.id, job.created, job.model, i, self._echoed(i)))
         for index in range(job.choices):
             choice = conn.choice(index)
+            if index != job.scorer(index) and job.scorer(index) in self._scores:
+                # Its prompt was scored by the prompt's first choice, streamed before it: the same scores head this one.
+                for chunk, _ in self._render(choice, self._scores[job.scorer(index)], choice.add(self._scores[job.scorer(index)])):
+                    yield chunk
             try:
                 async with aclosing(self._events(index, events)) as stream:
                     async for event in stream:
@@ -172,6 +180,7 @@ class CompletionRender:
         job, tok = self.job, self.tokenizer
         index = choice.index
         if isinstance(event, PromptEvent):
+            self._scores[index] = event
             echo = self._echo_scores(index, choice)
             if echo is not None:
                 lp = openai.completion_logprobs(tok, (), 0, echo)

@@ -101,6 +101,10 @@ class GenerationJob:
     def prompt(self, index: int) -> Prompt:
         return self.prompts[index // self.n]
 
+    def scorer(self, index: int) -> int:
+        """The choice that scores choice ``index``'s prompt (its first)."""
+        return index - index % self.n
+
     def request(self, index: int) -> GenerateRequest:
         """Choice ``index``'s engine request. Its seed is the prompt's plus
         its place among the n choices, so every choice is reproducible."""
@@ -108,7 +112,10 @@ class GenerationJob:
         guide = self.guides[index] if self.guides is not None else None
         params = prompt.params
         if index % self.n:
-            params = attrs.evolve(params, seed=resolve_seed(params.seed, index % self.n))
+            # A prompt is scored once, by its first choice: the others render
+            # those scores (completion_render.py) and may take the prompt's
+            # KV from the prefix cache, which a scoring request cannot.
+            params = attrs.evolve(params, seed=resolve_seed(params.seed, index % self.n), prompt_logprobs=None)
         if index == 0:
             return GenerateRequest(
                 prompt.ids, params, self.request_id, draw_start=self.draw_start, retain=self.retain, guide=guide, adapter=self.adapter,
