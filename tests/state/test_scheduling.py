@@ -43,7 +43,10 @@ def make(tok):
     return build
 
 
-def policy(blocks: int = 64, *, max_num_seqs: int = 8, max_model_len: int = 256, budget: int = 16, max_queue: int = 64, retry_after: float = 1.0):
+def policy(
+    blocks: int = 64, *, max_num_seqs: int = 8, max_model_len: int = 256, budget: int = 16, max_queue: int = 64, retry_after: float = 1.0,
+    sharing: str = "requests",
+):  # fmt: skip
     return SchedulingPolicy(
         BlockPool(blocks, BS),
         max_num_seqs=max_num_seqs,
@@ -51,6 +54,7 @@ def policy(blocks: int = 64, *, max_num_seqs: int = 8, max_model_len: int = 256,
         prefill_budget=budget,
         max_queue=max_queue,
         retry_after=retry_after,
+        prefill_sharing=sharing,
     )
 
 
@@ -144,8 +148,24 @@ def test_plan_puts_decode_rows_first_then_prefill_within_the_budget(make):
     assert sum(len(r.tokens) for r in rows) == 10
 
 
-def test_plan_takes_prefill_chunks_in_admission_order(make):
+def test_plan_shares_each_steps_prefill_between_the_requests(make):
+    """The default: the budget split evenly between the prompts waiting (a
+    remainder to the earliest), so the short one is done in the first step
+    and decodes in the second, beside the others' last chunks."""
     p = policy(budget=10)
+    a, b, c = make("a", 7, 2), make("b", 6, 2), make("c", 2, 2)
+    for seq in (a, b, c):
+        p.enqueue(seq)
+    p.admit(0.0)
+    rows = p.plan()
+    assert [(r.seq, len(r.tokens), r.start, r.samples) for r in rows] == [(a, 5, 0, False), (b, 3, 0, False), (c, 2, 0, True)]
+    step(p, rows)
+    rows = p.plan()
+    assert [(r.seq, len(r.tokens), r.start, r.samples) for r in rows] == [(c, 1, 2, True), (a, 2, 5, True), (b, 3, 3, True)]
+
+
+def test_plan_takes_prefill_chunks_in_admission_order_as_older_traces_did(make):
+    p = policy(budget=10, sharing="tenants")
     a, b, c = make("a", 7, 2), make("b", 6, 2), make("c", 2, 2)
     for seq in (a, b, c):
         p.enqueue(seq)
@@ -156,6 +176,11 @@ def test_plan_takes_prefill_chunks_in_admission_order(make):
     rows = p.plan()
     # a decodes; b finishes its prompt; c's whole prompt fits behind it.
     assert [(r.seq, len(r.tokens), r.start, r.samples) for r in rows] == [(a, 1, 7, True), (b, 3, 3, True), (c, 2, 0, True)]
+
+
+def test_an_unknown_prefill_sharing_is_refused():
+    with pytest.raises(ValueError, match="prefill_sharing must be one of"):
+        policy(sharing="fifo")
 
 
 def test_long_prompt_is_chunked_across_steps_while_decode_rows_keep_going(make):
@@ -405,18 +430,24 @@ def test_tenants_share_each_steps_prefill_budget(make):
     """Bob's two long prompts came first; Alice's short one still gets half
     of every step's budget from the first step on, and what she leaves goes
     to Bob. Without tenants (one group), admission order alone."""
-    p = policy(budget=16)
-    bob1, bob2, alice = make("b1", 40, 2), make("b2", 40, 2), make("al", 6, 2)
-    bob1.tenant = bob2.tenant = "bob"
-    alice.tenant = "alice"
-    for seq in (bob1, bob2, alice):
-        p.enqueue(seq)
-    p.admit(0.0)
-    rows = p.plan()
-    assert [(r.seq.id, len(r.tokens)) for r in rows] == [("b1", 10), ("al", 6)]  # her 6 of 8; her 2 spare went to Bob
-    step(p, rows)
-    rows = p.plan()
-    assert [(r.seq.id, len(r.tokens), r.samples) for r in rows] == [("al", 1, True), ("b1", 15, False)]  # she decodes; Bob has the rest
+    for sharing, first, second in (
+        # Bob's share split between his two prompts too.
+        ("requests", [("b1", 5), ("b2", 5), ("al", 6)], [("al", 1, True), ("b1", 8, False), ("b2", 7, False)]),
+        # Older traces: his share in admission order.
+        ("tenants", [("b1", 10), ("al", 6)], [("al", 1, True), ("b1", 15, False)]),
+    ):
+        p = policy(budget=16, sharing=sharing)
+        bob1, bob2, alice = make("b1", 40, 2), make("b2", 40, 2), make("al", 6, 2)
+        bob1.tenant = bob2.tenant = "bob"
+        alice.tenant = "alice"
+        for seq in (bob1, bob2, alice):
+            p.enqueue(seq)
+        p.admit(0.0)
+        rows = p.plan()
+        assert [(r.seq.id, len(r.tokens)) for r in rows] == first  # her 6 of 8; her 2 spare went to Bob
+        step(p, rows)
+        rows = p.plan()
+        assert [(r.seq.id, len(r.tokens), r.samples) for r in rows] == second  # she decodes; Bob has the rest
 
 
 def test_prefill_shares_split_evenly_and_hand_on_what_is_not_needed(make):
@@ -426,9 +457,13 @@ def test_prefill_shares_split_evenly_and_hand_on_what_is_not_needed(make):
     for seq, tenant in zip(seqs, ("a", "b", "c", "a"), strict=True):
         seq.tenant = tenant
     a1, b1, c1, a2 = seqs
-    assert [(s.id, n) for s, n in prefill_shares(seqs, 12)] == [("a1", 5), ("b1", 3), ("c1", 4)]  # 4 each; b's spare 1 went to a (first)
-    assert [(s.id, n) for s, n in prefill_shares(seqs, 100)] == [("a1", 30), ("b1", 3), ("c1", 30), ("a2", 30)]
-    assert prefill_shares(seqs, 0) == []
+    # 4 each; b's spare 1 went to a (first), whose 5 are split between its two.
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 12)] == [("a1", 3), ("b1", 3), ("c1", 4), ("a2", 2)]
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 12, even=False)] == [("a1", 5), ("b1", 3), ("c1", 4)]  # older traces
+    for even in (True, False):
+        assert [(s.id, n) for s, n in prefill_shares(seqs, 100, even=even)] == [("a1", 30), ("b1", 3), ("c1", 30), ("a2", 30)]
+        assert prefill_shares(seqs, 0, even=even) == []
     for seq in seqs:
         seq.tenant = None
-    assert [(s.id, n) for s, n in prefill_shares(seqs, 40)] == [("a1", 30), ("b1", 3), ("c1", 7)]  # admission order, as before tenants
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 40)] == [("a1", 13), ("b1", 3), ("c1", 12), ("a2", 12)]  # 10 each, b's spare 7 to the rest
+    assert [(s.id, n) for s, n in prefill_shares(seqs, 40, even=False)] == [("a1", 30), ("b1", 3), ("c1", 7)]  # admission order, as before

@@ -115,6 +115,10 @@ class CoreSettings:
     # The time a step with decode rows is planned to take at most (prompt
     # chunks shrink to fit; 0: off). Traces from before it existed ran off.
     max_step_s: float = 0.0
+    # How a step's prefill budget is shared (state/scheduling.py
+    # PREFILL_SHARING): evenly between tenants, then between each tenant's
+    # requests. Traces from before it existed shared between tenants only.
+    prefill_sharing: str = "requests"
 
 
 def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
@@ -134,6 +138,7 @@ def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
         share_generated_kv=settings.share_generated_kv,
         draft_tokens=settings.draft_tokens,
         max_step_s=settings.max_step_s,
+        prefill_sharing=settings.prefill_sharing,
     )
     return EngineCore(policy, tokenizer)
 

@@ -119,7 +119,7 @@ def _replay(reader, path, *, checkpoint, model: bool, runner_factory) -> Summary
     source = checkpoint if checkpoint is not None else head.get("checkpoint", {}).get("path")
     tokenizer, compiler = _load_tokenizer(path, head, source)
     try:
-        settings = CoreSettings(**head["core"])
+        settings = CoreSettings(**{"prefill_sharing": "tenants", **head["core"]})  # a trace from before it existed shared that way
     except (KeyError, TypeError) as exc:
         raise TraceError(path, 1, f"the header's core settings are unusable: {exc}") from None
     core = new_core(settings, tokenizer)

@@ -16,11 +16,12 @@ Rules:
   retains for an owner (a session turn) also pins them, provisionally, until
   the owner commits (the pins become the owner's) or cancels (let go).
 - A step takes every running sequence's decode token first, then prefill
-  chunks in admission order until the per-step token budget is spent, so a
-  long prompt delays decoding rows by at most one chunk per step. With
-  requests of several tenants prefilling, the budget is shared between the
-  tenants first (`prefill_shares`): one tenant's huge prompts cannot take
-  every step's budget while another's wait.
+  chunks until the per-step token budget is spent, so a long prompt delays
+  decoding rows by at most one chunk per step. The budget is shared evenly
+  between the tenants with prompts to prefill, then between each tenant's
+  requests (`prefill_shares`): one tenant's huge prompts cannot take every
+  step's budget while another's wait, and neither can a request's while a
+  short one of the same tenant waits.
 - With ``max_step_s``, a step that carries decode rows also carries no
   more prompt tokens than fit that time, by what the last steps took (a
   decode-only step's time, and the time a prompt token added): on a slow
@@ -122,10 +123,14 @@ class SchedulingPolicy:
         share_generated_kv: bool = True,
         draft_tokens: int = 0,
         max_step_s: float = 0.0,
+        prefill_sharing: str = "requests",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if prefill_sharing not in PREFILL_SHARING:
+            raise ValueError(f"prefill_sharing must be one of {PREFILL_SHARING}, got {prefill_sharing!r}")
         self.pool = pool
         self.max_step_s = max_step_s
+        self.prefill_sharing = prefill_sharing
         # What steps cost, from `timed`: a decode-only step, and each prompt
         # token a step carries (over the decode rows' part).
         self.decode_step_s: float | None = None
@@ -248,7 +253,7 @@ class SchedulingPolicy:
             budget -= 1 + len(draft)
         if decoding and prefilling:
             budget = min(budget, self._prompt_room())
-        for seq, count in prefill_shares(prefilling, budget):
+        for seq, count in prefill_shares(prefilling, budget, even=self.prefill_sharing == "requests"):
             rows.append(PlannedRow(seq, seq.pending(count), seq.num_cached))
         return rows
 
@@ -340,20 +345,53 @@ class SchedulingPolicy:
         return everyone
 
 
+PREFILL_SHARING = ("requests", "tenants")  # SchedulingPolicy's prefill_sharing: even between requests too, or between tenants only (older traces)
+
+
 def _blend(old: float | None, new: float) -> float:
     """A running estimate: the newest value weighs COST_WEIGHT."""
     return new if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * new
 
 
-def prefill_shares(prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+def fair_split(needs: list[int], budget: int) -> list[int]:
+    """``budget`` split evenly between ``needs`` (what one does not need
+    goes to the others; a remainder to the earliest), none past its need."""
+    given = [0] * len(needs)
+    left = max(budget, 0)
+    wanting = [i for i, need in enumerate(needs) if need > 0]
+    while left > 0 and wanting:
+        share, extra = divmod(left, len(wanting))
+        for place, i in enumerate(wanting):
+            take = min(share + (1 if place < extra else 0), needs[i] - given[i])
+            given[i] += take
+            left -= take
+        wanting = [i for i in wanting if given[i] < needs[i]]
+    return given
+
+
+def prefill_shares(prefilling: list[Sequence], budget: int, *, even: bool = True) -> list[tuple[Sequence, int]]:
     """How many prompt tokens each prefilling sequence gets in a step of
-    ``budget`` prompt tokens, in admission order. One tenant (or none): in
-    admission order until the budget is spent. Several: the budget is
-    shared evenly between the tenants with prompt tokens left (what one
-    does not need goes to the others), and each tenant's share goes to its
-    sequences in admission order."""
+    ``budget`` prompt tokens, in admission order. The budget is shared
+    evenly between the tenants with prompt tokens left, then (``even``)
+    each tenant's share evenly between its sequences: a short prompt beside
+    long ones of the same tenant gets its first token within a few steps,
+    not after theirs (what one does not need goes to the others). Without
+    ``even`` (traces recorded before it existed, core/replay.py), one
+    tenant's sequences took its share in admission order, and one tenant
+    alone the whole budget that way."""
+    if even:
+        tenants: dict[str | None, list[Sequence]] = {}
+        for seq in prefilling:
+            tenants.setdefault(seq.tenant, []).append(seq)
+        groups = list(tenants.values())
+        needs = [[len(seq.prompt_ids) - seq.num_cached for seq in group] for group in groups]
+        given: dict[str, int] = {}
+        for group, need, allowance in zip(groups, needs, fair_split([sum(n) for n in needs], budget), strict=True):
+            for seq, count in zip(group, fair_split(need, allowance), strict=True):
+                given[seq.id] = count
+        return [(seq, given[seq.id]) for seq in prefilling if given[seq.id] > 0]
     need = {seq.id: len(seq.prompt_ids) - seq.num_cached for seq in prefilling}
-    tenants: dict[str | None, list[Sequence]] = {}
+    tenants = {}
     for seq in prefilling:
         tenants.setdefault(seq.tenant, []).append(seq)
     given = dict.fromkeys(need, 0)
