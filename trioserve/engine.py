@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
+import sys
+import traceback
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -256,6 +258,32 @@ class _EventStream:
         return event
 
 
+# The kinds of torch device an engine runs on (--device; a load's "device" option).
+RUNNABLE_DEVICES = ("cpu", "cuda")
+
+
+def device_problem(name: object) -> str | None:
+    """What keeps ``name`` from being a device a model runs on here, or
+    None: a torch device of a kind the engine runs (cpu, cuda[:N]) that
+    this machine has. A "meta" tensor holds no data, so a model there
+    cannot compute anything."""
+    if not isinstance(name, str):
+        return f"expected a string (one of: {', '.join(RUNNABLE_DEVICES)}), got {type(name).__name__}"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"{name!r} is not a torch device (one of: {', '.join(RUNNABLE_DEVICES)}, or cuda:N)"
+    if device.type not in RUNNABLE_DEVICES:
+        return f"{name!r} cannot run a model (one of: {', '.join(RUNNABLE_DEVICES)}, or cuda:N)"
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"{name!r}: this machine has no CUDA device torch can use"
+        if device.index is not None and device.index >= count:
+            return f"{name!r}: this machine has {count} CUDA device{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})"
+    return None
+
+
 # The share of a GPU's free memory (after the weights are loaded) the KV
 # pool may take at most; the rest is left for activations and the allocator.
 GPU_KV_SHARE = 0.9
@@ -284,7 +312,11 @@ async def open_engine(
     """Start an engine. ``checkpoint`` skips loading ``config.model``;
     ``model`` (built from that checkpoint) skips building the model.
     ``progress`` is told of the tensors loaded, ``build_progress`` of the
-    layers built."""
+    layers built. A device no model can run on is refused first
+    (RequestError naming ``device``)."""
+    problem = device_problem(config.device)
+    if problem is not None:
+        raise RequestError(f"device: {problem}", field="device")
     async with open_device_thread() as device:
         if checkpoint is None:
             checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype, config.device), progress=progress))
@@ -347,8 +379,8 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     scheduler = Scheduler(core, worker_send)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_worker, runner, worker_recv, device)
-            await nursery.start(run_scheduler, scheduler, inbox_recv)
+            await nursery.start(_contained, scheduler, "worker", run_worker, runner, worker_recv, device)
+            await nursery.start(_contained, scheduler, "scheduler", run_scheduler, scheduler, inbox_recv)
             engine = Engine(
                 config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations
             )
@@ -366,6 +398,40 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Llam
     finally:
         if writer is not None:
             writer.close()  # however the engine ends; every line is flushed already
+
+
+async def _contained(scheduler: Scheduler, name: str, actor, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run one of the engine's actors. One that fails once started (a bug:
+    a step's own faults are results, actors/worker.py) kills this engine
+    only: every request in flight ends with an error event saying why,
+    new ones are refused (EngineDead), and the engine stays up until it is
+    closed (its model unloaded), never raising into the nursery above it."""
+    started = False
+
+    def started_now(value=None) -> None:
+        nonlocal started
+        started = True
+        task_status.started(value)
+
+    try:
+        await actor(*args, task_status=_Started(started_now))
+    except Exception as exc:
+        if not started:
+            raise  # the engine does not open: its caller says why
+        cause = " ".join(f"the engine's {name} actor failed: {type(exc).__name__}: {exc}".split())
+        print(f"trioserve: {cause}; the engine is dead", file=sys.stderr, flush=True)
+        traceback.print_exception(exc, file=sys.stderr)
+        scheduler.kill(cause)
+
+
+class _Started:
+    """A task_status passed on, which notes that the actor started."""
+
+    def __init__(self, on_started) -> None:
+        self._on_started = on_started
+
+    def started(self, value=None) -> None:
+        self._on_started(value)
 
 
 def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, model: LlamaModel) -> TraceWriter:

@@ -21,7 +21,7 @@ import trio
 
 from trioserve.actors.messages import SchedulerMessage, StepRequest, Submit, deliver
 from trioserve.core.engine_core import EngineCore
-from trioserve.errors import EngineClosed
+from trioserve.errors import EngineClosed, sole_error
 from trioserve.state.stats import EngineStats
 from trioserve.types import Event, FinalEvent, StepResult
 
@@ -126,6 +126,19 @@ class Scheduler:
         self._publish(self.core.die(cause, self.clock()))
         self._refresh()
 
+    def kill(self, cause: str) -> None:
+        """The engine is dead of a fault outside a step (an actor that
+        failed): as `die`, unless it is dead already (the first cause
+        stays); where the core's state is too broken even for that, it is
+        marked dead anyway, so new work is refused. Never raises."""
+        if self.core.stats.dead is not None:
+            return
+        try:
+            self.die(cause)
+        except Exception:  # noqa: BLE001 - state may be broken; refusing new work still matters
+            self.core.stats.dead = cause
+            self._refresh()
+
     # -- publishing ----------------------------------------------------------
     def _publish(self, events: list[Event]) -> None:
         for event in events:
@@ -164,7 +177,8 @@ async def run_scheduler(scheduler: Scheduler, inbox: trio.MemoryReceiveChannel[S
     """Run intake and the step loop until cancelled (engine shutdown), when
     consumers see their event channels close. A bug that escapes the step
     loop kills the engine like a fatal step: every request in flight gets an
-    error, statistics().dead says why, and intake goes on refusing new work."""
+    error, statistics().dead says why, and intake goes on refusing new work.
+    One that escapes intake does the same, then ends the actor (raised)."""
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(scheduler.intake, inbox)
@@ -172,13 +186,13 @@ async def run_scheduler(scheduler: Scheduler, inbox: trio.MemoryReceiveChannel[S
             try:
                 await scheduler.steps()
             except Exception as exc:  # noqa: BLE001 - reported through dead, never lost
-                cause = f"internal error in the scheduler: {type(exc).__name__}: {exc}"
-                try:
-                    scheduler.die(cause)
-                except Exception:  # noqa: BLE001 - state may be broken; refusing new work still matters
-                    scheduler.core.stats.dead = cause
-                    scheduler._refresh()
+                scheduler.kill(f"internal error in the scheduler: {type(exc).__name__}: {exc}")
                 await trio.sleep_forever()
+    except Exception as exc:
+        # Intake failed: its requests get their error events before their channels close below.
+        leaf = sole_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        scheduler.kill(f"internal error in the scheduler: {type(leaf).__name__}: {leaf}")
+        raise
     finally:
         # After both tasks are done: intake may accept a submission in the
         # same tick the loop is cancelled, and its consumer must still see

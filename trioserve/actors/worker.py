@@ -4,6 +4,13 @@ tensors and says what a failed step means), whole -- forward pass, pooling,
 masks, draws, drafts checked -- in the device thread so the event loop stays
 responsive, and replies to the scheduler with its result.
 
+A step that raises is a fatal result, never the actor's end: whatever it
+raised (a device that cannot run, a kernel's bug, a tensor on the wrong
+device), the cache may be half-written, so the scheduler marks this engine
+dead and fails its requests, while the worker stays to answer (the engine's
+nursery, and the registry's above it, are never torn down by one model's
+fault).
+
 Sampling was once an actor of its own, fed the logits over a channel. With
 at most one plan in flight and both on the one device thread, that hop
 overlapped nothing; bench/README.md ("One step runner") has the
@@ -18,7 +25,7 @@ import trio
 
 from trioserve.actors.device import DeviceThread, run_blocking
 from trioserve.actors.messages import StepRequest, deliver
-from trioserve.models.step_runner import StepRunner
+from trioserve.models.step_runner import StepRunner, fatal_result
 
 
 # How often the worker hands freed heap memory back to the OS (seconds; 0: never).
@@ -75,13 +82,18 @@ async def run_worker(
 ) -> None:
     """Serve StepRequests from ``inbox`` until it closes, each result to
     the reply channel its request carries. Steps run on ``device``
-    (actors/device.py; None: trio's worker threads). Cancellation waits for a running step to return (threads cannot be
-    interrupted), then ends the actor."""
+    (actors/device.py; None: trio's worker threads). A step that raises
+    gives a fatal StepResult (`fatal_result`). Cancellation waits for a
+    running step to return (threads cannot be interrupted), then ends the
+    actor."""
     trimmer = HeapTrimmer()
     task_status.started()
-    async with inbox:
+    with inbox:  # closed without a checkpoint: whoever catches this actor's failure acts before the scheduler runs again
         async for request in inbox:
-            result = await run_blocking(device, runner.run, request.plan)
+            try:
+                result = await run_blocking(device, runner.run, request.plan)
+            except Exception as exc:  # noqa: BLE001 - contained: this engine dies, nothing above it does
+                result = fatal_result(request.plan.number, exc)
             deliver(request.reply, result)  # False: the scheduler stopped waiting
             if trimmer.due():  # between steps (~10 ms every 10 s)
                 await trio.to_thread.run_sync(trimmer.trim)

@@ -17,9 +17,12 @@ such row run exactly as before.
 
 Failure semantics. A step refused before it runs (its inputs do not describe
 a valid step) fails only that step's requests: nothing was written. Any
-other exception in the forward pass happens after the cache may have been
-partly written, so the result is fatal and the scheduler declares the
-engine dead. A failure while sampling fails the step's sampling rows.
+other exception, while its inputs are built on the device or in the forward
+pass, means the device cannot be trusted (the cache may have been partly
+written), so the result is fatal and the scheduler declares the engine
+dead. A failure while sampling fails the step's sampling rows. Whatever
+else a step raises, the worker (actors/worker.py) turns into a fatal
+result too: a step's fault never leaves its engine.
 
 Sampling draws: each request's come from its own counter-based stream,
 keyed by (seed, draw index) carried in its plan row, so what else shares the
@@ -27,7 +30,9 @@ step cannot change them (models/sampling.py)."""
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 import attrs
@@ -117,6 +122,8 @@ class StepRunner:
             scored_at = scored_positions(plan, chunks) if plan.scoring else None
         except (ValueError, StepRefused) as exc:
             return StepResult(plan.number, refused=str(exc))
+        except Exception as exc:  # noqa: BLE001 - the inputs went to the device: one that fails there cannot be trusted
+            return fatal_result(plan.number, exc)
         try:
             if scored_at is not None:
                 return self._forward_scoring(plan, scored_at, index, batch, pooled_at, counts)
@@ -132,7 +139,7 @@ class StepRunner:
         except StepRefused as exc:
             return StepResult(plan.number, refused=str(exc))
         except Exception as exc:  # noqa: BLE001 - any fault mid-step may have half-written the cache
-            return StepResult(plan.number, fatal=f"{type(exc).__name__}: {exc}")
+            return fatal_result(plan.number, exc)
 
     def _forward_scoring(self, plan: StepPlan, scored_at, index: list[int], batch, pooled_at: list[int], counts: list[int]) -> StepOutput:
         """The forward pass of a step with scoring rows: the sampling rows'
@@ -181,6 +188,15 @@ class StepRunner:
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails those rows
             return StepResult(plan.number, failed=f"sampling failed: {type(exc).__name__}: {exc}")
         return StepResult(plan.number, sampled=accept(rows, picked))
+
+
+def fatal_result(number: int, exc: Exception) -> StepResult:
+    """Step ``number``'s result after ``exc``: fatal (the engine dies),
+    its cause one line naming the exception; the traceback goes to stderr
+    for whoever runs the server."""
+    print(f"trioserve: step {number} failed part-way; the engine is dead:", file=sys.stderr, flush=True)
+    traceback.print_exception(exc, file=sys.stderr)
+    return StepResult(number, fatal=" ".join(f"{type(exc).__name__}: {exc}".split()))
 
 
 def thread_governor(model) -> ThreadGovernor | None:
