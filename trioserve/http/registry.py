@@ -5,7 +5,15 @@ A model's life, by its `state`:
 
     loading    its name is taken; nothing is routed to it yet
     ready      the request's ``model`` picks it
+    dead       its engine stopped after a fault (a step that raised, or its
+               actors ending on their own): its requests get 503
+               engine_dead; it stays listed until an admin unloads it
     unloading  it takes no new requests; those in flight finish or are ended
+
+A fault stays in its model: the engine's actors turn a step's exception
+into the engine's death (actors/worker.py), and `Model.serve` keeps
+anything that still escapes out of the registry's nursery, so the other
+models, the shared routes and later loads go on.
 
 `Registry.load` runs in phases: reserve the name (a second load of it is a
 409), admit it against ``--memory-budget`` (a load that cannot fit is
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -84,13 +93,34 @@ class Model(Held):
         self.config = config
         self.reasoning_parser = reasoning_parser
         self.checkpoint = checkpoint  # preloaded, or None to load config.model
-        self.state = "loading"
+        self._state = "loading"
+        self.fault: str | None = None  # why the engine's actors ended on their own, once they did
         self.created = openai.now()
         self.engine: Engine | None = None
         self.template: ChatTemplate | None = None
         self.reasoning = False  # split <think> reasoning out of replies
         self.scope = trio.CancelScope()  # cancelled: the engine stops
         self.stopped = trio.Event()  # the engine's block is left: its memory is let go
+
+    @property
+    def state(self) -> str:
+        """loading, ready, unloading, or dead: ready but its engine is dead
+        (`dead` says why)."""
+        if self._state == "ready" and self.dead is not None:
+            return "dead"
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine is dead, or None while it is not (or not yet loaded)."""
+        if self.fault is not None:
+            return self.fault
+        engine = self.engine
+        return engine.statistics().dead if engine is not None else None
 
     @property
     def bytes(self) -> int:
@@ -101,7 +131,11 @@ class Model(Held):
     async def serve(self, named: bool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the engine until `scope` is cancelled. Reports started once
         it is ready; a failed load raises before that. Its progress lines
-        and its start-up line name it when ``named`` (not the first model)."""
+        and its start-up line name it when ``named`` (not the first model).
+        Once started, an exception from the engine (its actors ending on
+        their own: a bug) ends only this model: it is dead with the cause,
+        and nothing is raised into the registry's nursery."""
+        started = False
         try:
             with self.scope:
                 loading = None if self.checkpoint is not None else ProgressBar(f"Loading weights of {self.name}" if named else "Loading weights")
@@ -118,8 +152,15 @@ class Model(Held):
                     print(f"trioserve: {who}computing on {describe_compute(engine.compute)}", file=sys.stderr, flush=True)
                     if engine.trace_path is not None:
                         print(f"trioserve: recording {self.name}'s engine inputs to {engine.trace_path}", file=sys.stderr, flush=True)
+                    started = True
                     task_status.started()
                     await trio.sleep_forever()
+        except Exception as exc:
+            if not started:
+                raise  # a failed load: `Registry.load` frees the name and says why
+            self.fault = f"the engine stopped: {_one_line(exc)}"
+            print(f"trioserve: the engine of {self.name} stopped after a fault; it is dead until unloaded:", file=sys.stderr, flush=True)
+            traceback.print_exception(exc, file=sys.stderr)
         finally:
             self.engine = None
             self.template = None
@@ -128,6 +169,8 @@ class Model(Held):
     def card(self) -> dict:
         """The model as /v1/models lists it."""
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "trioserve", "state": self.state}
+        if card["state"] == "dead":
+            card["cause"] = self.dead
         engine = self.engine
         if engine is not None:
             card["max_model_len"] = engine.max_model_len
@@ -149,13 +192,26 @@ class Adapter(Held):
         self.base = base
         self.key = key
         self.path = path
-        self.state = "loading"
+        self._state = "loading"
         self.rank = 0
         self.created = openai.now()
 
     @property
     def adapter_key(self) -> str:
         return self.key
+
+    @property
+    def state(self) -> str:
+        """Its own state, or dead while its base model's engine is."""
+        return "dead" if self._state == "ready" and self.base.state == "dead" else self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+
+    @property
+    def dead(self) -> str | None:
+        return self.base.dead
 
     @property
     def engine(self) -> Engine | None:
@@ -233,6 +289,11 @@ class Registry:
             )
         if model.state == "unloading":
             raise HTTPError(503, f"the model {name!r} is being unloaded", kind="server_error", code="model_unloading")
+        if model.state == "dead":
+            raise HTTPError(
+                503, f"the model {name!r} is dead: {model.dead} (it answers nothing until an admin unloads it and loads it again)",
+                kind="server_error", code="engine_dead",
+            )
         model.hold()
         return model
 
@@ -242,7 +303,7 @@ class Registry:
         checking it fits the memory budget; 409 when the name is taken."""
         taken = self.models.get(name) or self.adapters.get(name)
         if taken is not None:
-            raise HTTPError(409, f"the model name {name!r} is already {taken.state if taken.state != 'ready' else 'served'}", param="name", code="model_exists")
+            raise HTTPError(409, f"the model name {name!r} is {_taken(taken)}", param="name", code="model_exists")
         model = Model(name, config, reasoning_parser=self.settings.reasoning_parser, checkpoint=checkpoint)
         budget = self.settings.memory_budget
         if budget is not None:
@@ -281,11 +342,11 @@ class Registry:
             raise HTTPError(404, f"the model {name!r} does not exist", param="name", code="model_not_found")
         if any(a.base is model for a in self.adapters.values()):
             raise HTTPError(409, f"the model {name!r} has LoRA adapters loaded; unload them first", param="name", code="model_busy")
-        if model.state != "ready":
+        if model.state not in ("ready", "dead"):
             raise HTTPError(409, f"the model {name!r} is {model.state}", param="name", code="model_busy")
         model.state = "unloading"
-        engine = model.engine
-        waiting, ended = await _drain(model, timeout_s, lambda: engine.stop(f"the model {name!r} was unloaded"))
+        engine = model.engine  # None when its actors ended on their own (Model.fault)
+        waiting, ended = await _drain(model, timeout_s, lambda: engine is not None and engine.stop(f"the model {name!r} was unloaded"))
         model.scope.cancel()
         await model.stopped.wait()
         del self.models[name]
@@ -308,7 +369,7 @@ class Registry:
             raise HTTPError(404, f"the base model {base_name!r} is not served (or not ready)", param="base_model", code="model_not_found")
         taken = self.models.get(name) or self.adapters.get(name)
         if taken is not None:
-            raise HTTPError(409, f"the model name {name!r} is already {taken.state if taken.state != 'ready' else 'served'}", param="name", code="model_exists")
+            raise HTTPError(409, f"the model name {name!r} is {_taken(taken)}", param="name", code="model_exists")
         slots = base.engine.adapters
         if slots.loaded >= slots.capacity:
             raise HTTPError(400, f"{base.name!r} holds {slots.loaded} adapters, as many as --max-loras ({slots.capacity}) allows; unload one first", param="name", code="too_many_adapters")
@@ -331,12 +392,12 @@ class Registry:
         adapter = self.adapters.get(name)
         if adapter is None:
             raise HTTPError(404, f"no LoRA adapter {name!r}", param="name", code="adapter_not_found")
-        if adapter.state != "ready":
+        if adapter.state not in ("ready", "dead"):  # a dead base model's adapters can go, so it can be unloaded
             raise HTTPError(409, f"the adapter {name!r} is {adapter.state}", param="name", code="adapter_busy")
         adapter.state = "unloading"
         engine = adapter.engine
-        waiting, ended = await _drain(adapter, timeout_s, lambda: engine.fail_adapter(adapter.key, f"the LoRA adapter {name!r} was unloaded"))
-        if engine is not None:
+        waiting, ended = await _drain(adapter, timeout_s, lambda: engine is not None and engine.fail_adapter(adapter.key, f"the LoRA adapter {name!r} was unloaded"))
+        if engine is not None and engine.adapters is not None:
             await engine.adapters.remove(adapter.key)
         del self.adapters[name]
         return {"name": name, "unloaded": True, "requests_in_flight": waiting, "requests_ended": ended}
@@ -351,8 +412,26 @@ class Registry:
                 "name": model.name, "path": model.config.model, "state": model.state, "memory_bytes": model.bytes,
                 "requests_in_flight": model.in_flight,
                 "running": stats.running if stats else 0, "waiting": stats.waiting if stats else 0,
+                **({"cause": model.dead} if model.state == "dead" else {}),
             })  # fmt: skip
         return out
+
+
+def _taken(held: Held) -> str:
+    """Why a name cannot be loaded again: what holds it now."""
+    state = held.state
+    if state == "ready":
+        return "already served"
+    if state == "dead":
+        return "taken by a dead model; unload it first"
+    return f"already {state}"
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line, naming its type (a group: its first leaf)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 async def _drain(held: Held, timeout_s: float, end_the_rest) -> tuple[int, int]:

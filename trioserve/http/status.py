@@ -13,12 +13,18 @@ from trioserve.http.errors import HTTPError, error_response, json_response
 def add_status_routes(app, state: ServerState) -> None:
     @app.route("/health")
     async def health() -> Response:
-        for engine in state.engines():
-            if engine.statistics().dead:
-                return json_response({"status": "dead", "cause": engine.statistics().dead}, 503)
+        """200 ok while some model serves, listing the dead ones beside it
+        ({"status": "ok", "dead": {name: cause}}); 503 dead (with the first
+        cause, and each) once models are dead and none is ready, so a load
+        balancer stops sending to a server that can answer nothing; 503
+        loading or draining by the server's phase."""
+        models = _models(state)
+        dead = {m.name: m.dead for m in models if m.state == "dead"}
+        if dead and not any(m.state == "ready" for m in models):
+            return json_response({"status": "dead", "cause": next(iter(dead.values())), "dead": dead}, 503)
         if state.phase != "ok":
             return json_response({"status": state.phase}, 503)
-        return json_response({"status": "ok"})
+        return json_response({"status": "ok", "dead": dead} if dead else {"status": "ok"})
 
     @app.route("/v1/models")
     async def models() -> Response:
