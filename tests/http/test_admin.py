@@ -171,7 +171,7 @@ async def test_admin_refusals_leave_the_registry_unchanged(nursery, tiny_gguf, o
                 ({"name": "x"}, "path", "path: expected a non-empty string"),
                 ({**load, "options": {"port": 1}}, "options.port", "options.port: not a setting a load may choose"),
                 ({**load, "options": {"kv_cache_bytes": "lots"}}, "options.kv_cache_bytes", "must be a size like 512MiB"),
-                ({**load, "options": {"max_num_seqs": 0}}, "options", "max_num_seqs must be positive"),
+                ({**load, "options": {"max_num_seqs": 0}}, "options.max_num_seqs", "options.max_num_seqs: expected a positive integer, got number 0"),
             ):
                 refused = await client.post("/admin/models/load", headers=ADMIN, json=body)
                 assert_error(refused, 400, fragment=fragment, param=field)

@@ -18,11 +18,13 @@ import attrs
 from quart import Response, request
 
 from trioserve.config import EngineConfig
-from trioserve.errors import RequestError
+from trioserve.engine import device_problem
+from trioserve.errors import RequestError, sole_error
 from trioserve.http.edge import ServerState, read_body
 from trioserve.http.errors import HTTPError, error_response, json_response
 from trioserve.http.guard import bearer_matches
-from trioserve.options import OPTIONS
+from trioserve.option_kinds import BYTES, MILLISECONDS, POSITIVE_INT, SECONDS, SWITCH, TEXT
+from trioserve.options import OPTIONS, Option
 
 DEFAULT_UNLOAD_TIMEOUT_S = 30.0
 MAX_NAME_CHARS = 256
@@ -56,7 +58,8 @@ def body_text(body: dict, field: str, *, required: bool = True, limit: int | Non
 def load_config(base: EngineConfig, path: str, options: object) -> EngineConfig:
     """``base`` for the model at ``path`` with a load's ``options`` applied:
     each by its field name, a string read as its TRIOSERVE_* variable is
-    (sizes like "64MiB"), a number or a boolean as it is."""
+    (sizes like "64MiB"), a number or a boolean as it is, each checked as a
+    request field is (`option_value`): a 400 naming the option."""
     if options is None:
         options = {}
     if not isinstance(options, dict):
@@ -67,13 +70,79 @@ def load_config(base: EngineConfig, path: str, options: object) -> EngineConfig:
         if opt is None:
             raise RequestError(f"options.{key}: not a setting a load may choose (one of: {', '.join(sorted(LOAD_OPTIONS))})", field=f"options.{key}")
         try:
-            given[key] = opt.parse_variable(value) if isinstance(value, str) else value
+            given[key] = option_value(opt, value)
         except ValueError as exc:
             raise RequestError(f"options.{key}: {exc}", field=f"options.{key}") from None
     try:
         return attrs.evolve(base, model=path, **given)
     except (TypeError, ValueError) as exc:
         raise RequestError(f"options: {exc}", field="options") from None
+
+
+# What each kind of load option takes, as its 400 says it.
+_EXPECTED = {
+    POSITIVE_INT: "a positive integer",
+    BYTES: 'a positive whole number of bytes, or a size like "64MiB"',
+    SWITCH: "true or false",
+    SECONDS: "a positive number of seconds",
+    MILLISECONDS: "a number of milliseconds, 0 or more",
+    TEXT: "a string",
+}
+
+
+def option_value(opt: Option, value: object) -> object:
+    """A load option's value, checked as a request field is: a string read
+    as its TRIOSERVE_* variable is, a JSON value of the option's own type
+    (an integer is no float, a boolean no number), null only where the
+    option's default is none; the device one a model can run on here.
+    ValueError saying what it takes."""
+    expected = _EXPECTED.get(opt.kind, "a string")
+    if opt.choices:
+        expected = f"one of {', '.join(opt.choices)}"
+    if value is None:
+        if opt.default is None:
+            return None
+        raise ValueError(f"expected {expected}, got null")
+    if isinstance(value, str):
+        try:
+            parsed = opt.parse_variable(value)
+        except ValueError:
+            if opt.choices or opt.kind in (BYTES, SWITCH):
+                raise  # their parsers say what they take
+            raise ValueError(f"expected {expected}, got {value!r}") from None
+    elif opt.kind is TEXT:
+        raise ValueError(f"expected {expected}, got {_json_kind(value)} {value!r}")
+    else:
+        parsed = value
+    if opt.kind is SWITCH:
+        ok = isinstance(parsed, bool)
+    elif opt.kind in (POSITIVE_INT, BYTES):
+        ok = isinstance(parsed, int) and not isinstance(parsed, bool) and parsed > 0
+    elif opt.kind in (SECONDS, MILLISECONDS):
+        ok = isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and math.isfinite(parsed)
+        ok = ok and (parsed > 0 if opt.kind is SECONDS else parsed >= 0)
+    else:
+        ok = isinstance(parsed, str)
+    if not ok:
+        raise ValueError(f"expected {expected}, got {_json_kind(value)} {value!r}" if not isinstance(value, str) else f"expected {expected}, got {value!r}")
+    if opt.name == "device":
+        problem = device_problem(parsed)
+        if problem is not None:
+            raise ValueError(problem)
+    return parsed
+
+
+def _json_kind(value: object) -> str:
+    """A value's JSON type, as a client wrote it."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
 
 
 def _timeout(body: dict) -> float:
@@ -122,7 +191,11 @@ def add_admin_routes(app, state: ServerState) -> None:
         try:
             await registry.load(model)
         except Exception as exc:  # noqa: BLE001 - a missing, corrupt or unsupported file: the name is free again
-            return error_response(HTTPError(400, f"loading {name!r} from {path} failed: {_one_line(exc)}", param="path", code="load_failed"))
+            cause = sole_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            param = "path"
+            if isinstance(cause, RequestError) and cause.field in LOAD_OPTIONS:  # an option that does not fit this model (a KV pool under one block)
+                param = f"options.{cause.field}"
+            return error_response(HTTPError(400, f"loading {name!r} from {path} failed: {_one_line(exc)}", param=param, code="load_failed"))
         return json_response(model.card())
 
     @app.route("/admin/models/unload", methods=["POST"])
