@@ -774,9 +774,9 @@ def fault_requests(vocab: int) -> list[GenerateRequest]:
 async def test_refused_step_fails_only_its_rows(ckpt):
     """Three 30-token prompts under a 24-token budget, one row more waiting.
     Step 1 (held until all four are accepted) is A[0:24]; then B and C are
-    admitted, and step 2 is A[24:30] + B[0:18] while C, running, waits for
-    budget. Step 2 is refused: A and B fail, C and D go on, as does a later
-    request."""
+    admitted, and step 2 is A[24:30] + B[0:9] + C[0:9] (the budget A leaves
+    shared evenly between B and C), while D waits for a place. Step 2 is
+    refused: A, B and C fail, D goes on, as does a later request."""
     vocab = ckpt.tokenizer.vocab_size
     rng = random.Random(51)
     requests = [
@@ -805,17 +805,16 @@ async def test_refused_step_fails_only_its_rows(ckpt):
             mid = engine.statistics()
             after = await collect(engine, requests[4])
             stats = engine.statistics()
-    assert model.layouts[:2] == [[(0, 24)], [(24, 6), (0, 18)]]
-    for i in (0, 1):
+    assert model.layouts[:2] == [[(0, 24)], [(24, 6), (0, 9), (0, 9)]]
+    for i in (0, 1, 2):
         final = results[i].final
         assert final.finish_reason == "error", final
         assert "injected refusal" in final.error and "refused" in final.error
         assert results[i].tokens == [] and final.usage.completion_tokens == 0
-    for i in (2, 3):
-        assert results[i].same_as(solo[i])
+    assert results[3].same_as(solo[3])
     assert after.same_as(solo[4])
     assert mid.dead is None and stats.dead is None
-    assert mid.finished_count("error") == 2 and mid.finished_count("length") == 2
+    assert mid.finished_count("error") == 3 and mid.finished_count("length") == 1
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
