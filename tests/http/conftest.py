@@ -9,7 +9,9 @@ Helpers here read what the server says: SSE bodies split into their
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -74,7 +76,13 @@ async def wait_healthy(url: str, *, timeout: float = 20.0) -> None:
 
 
 async def start_server(nursery: trio.Nursery, settings: ServerSettings) -> str:
-    """Start serve_app in ``nursery``; its base URL once /health says ok."""
+    """Start serve_app in ``nursery``; its base URL once /health says ok.
+    A server left on --state-dir auto keeps its state in a directory of its
+    own under the test's data directory (tests/conftest.py): a state file is
+    one running server's alone (state/durable.py), and a test may run
+    several servers at once."""
+    if settings.state_dir == "auto":
+        settings = attrs.evolve(settings, state_dir=tempfile.mkdtemp(prefix="state-", dir=os.environ.get("XDG_DATA_HOME")))
     with trio.fail_after(30):
         urls = await nursery.start(serve_app, settings)
         assert urls, "serve_app reported no bound address"

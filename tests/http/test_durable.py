@@ -6,6 +6,7 @@ use with one line naming it, leaving the file as it was."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -196,14 +197,26 @@ def test_a_read_only_state_file_is_refused_by_name(tmp_path):
             subprocess.run(["chattr", "-i", str(path)], check=False)
 
 
+def copy_of_state(path: Path, where: Path) -> StateDB:
+    """What a process restarted after `kill -9` would read: the state file
+    and its write-ahead log as they are on disk now, copied (the running
+    store keeps them for itself: a second connection is refused)."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir()
+    for name in (path.name, f"{path.name}-wal"):
+        if (path.parent / name).exists():
+            shutil.copyfile(path.parent / name, where / name)
+    return StateDB(where / path.name)
+
+
 def test_every_change_is_in_the_file_when_the_call_returns(tmp_path):
-    """Made, committed, deleted and evicted sessions, read back by a second
-    connection (as a restarted process would) after each call."""
+    """Made, committed, deleted and evicted sessions, read back from the
+    files (as a restarted process would) after each call."""
     path = tmp_path / FILE_NAME
     store = SessionStore(journal=StateDB(path), max_sessions=2)
 
     def on_disk() -> dict[str, list]:
-        return {row["id"]: [m["content"] for m in row["messages"]] for row in StateDB(path).load()}
+        return {row["id"]: [m["content"] for m in row["messages"]] for row in copy_of_state(path, tmp_path / "copy").load()}
 
     a = store.create(0.0, system="s")
     assert on_disk() == {a.id: []}
@@ -215,7 +228,7 @@ def test_every_change_is_in_the_file_when_the_call_returns(tmp_path):
     assert a.messages == []
     store.apply(pending, 2.0)
     assert a.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]
-    row = StateDB(path).load()[0]
+    row = copy_of_state(path, tmp_path / "copy").load()[0]
     assert (row["seed"], row["draw_index"], row["turns"], row["prompt_tokens"], row["completion_tokens"]) == (9, 3, 1, 5, 2)
     b = store.create(3.0)
     c = store.create(4.0)  # over max_sessions: a, the least recently used, is evicted
@@ -223,7 +236,7 @@ def test_every_change_is_in_the_file_when_the_call_returns(tmp_path):
     store.delete(b.id, 5.0)
     assert set(on_disk()) == {c.id}
     restored = SessionStore()
-    assert restored.restore(StateDB(path).load(), 0.0) == 1 and restored.get(c.id, 0.0).id == c.id
+    assert restored.restore(copy_of_state(path, tmp_path / "copy").load(), 0.0) == 1 and restored.get(c.id, 0.0).id == c.id
 
 
 async def kill_during_turn(server: Server, session: str, kill_after: int) -> bool:
@@ -356,9 +369,9 @@ def test_owners_are_kept(tmp_path):
     db = StateDB(tmp_path / FILE_NAME)
     store = SessionStore(journal=db)
     made = store.create(0.0, owner="alice")
+    db.close()  # the file is one process's at a time
     again = SessionStore()
     again.restore(StateDB(tmp_path / FILE_NAME).load(), 0.0)
     assert again.get(made.id, 0.0, owner="alice").owner == "alice"
     with pytest.raises(SessionNotFound):
         again.get(made.id, 0.0, owner="bob")
-    db.close()

@@ -18,7 +18,11 @@ With a ``journal`` (state/durable.py's StateDB) every change is written
 through to disk as well: a session made, a turn committed, a session
 deleted or evicted; `restore` brings them back after a restart. A commit
 can be split (`prepare_commit`, `write`, `apply`) so that the durable
-write runs in a thread before the commit shows anywhere.
+write runs in a thread before the commit shows anywhere. A write the
+journal refuses (StateError: a full disk, a file gone) changes nothing in
+memory either; an eviction whose delete it refuses keeps that session, on
+disk and here, until a later eviction can delete it (the store stays over
+its limits meanwhile), so an eviction never fails the request that made it.
 
 The records it keeps and hands out (Session, Turn, TurnLease), the tenant's
 Quota and the protocol's errors are trioserve/state/session.py's."""
@@ -33,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trioserve.errors import RequestError
+from trioserve.state.durable import StateError
 from trioserve.state.session import (  # the records are named here too, where callers of the store look for them
     PendingCommit,
     Quota,
@@ -349,9 +354,19 @@ class SessionStore:
             session = self._sessions[sid]
             if now - session.last_used <= self.idle_s:
                 break  # the rest were used more recently
-            if not session.busy:
-                self._remove(sid, durable=not self.shared)
-                self.evicted += 1
+            if not session.busy and not self._evict(sid):
+                return  # the journal refuses deletes now: the rest stay too
+
+    def _evict(self, session_id: str) -> bool:
+        """Evict an idle session, its rows too (unless the journal is
+        shared). False, and the session kept, when the journal refused the
+        delete: kept in memory as it is kept on disk."""
+        try:
+            self._remove(session_id, durable=not self.shared)
+        except StateError:
+            return False
+        self.evicted += 1
+        return True
 
     def _remove(self, session_id: str, *, durable: bool = True) -> None:
         """Forget the session; ``durable``: delete its rows too."""
@@ -384,10 +399,8 @@ class SessionStore:
                 or (quota.history_bytes is not None and size > quota.history_bytes)
                 or (self.max_history_bytes is not None and self._bytes > self.max_history_bytes)
             )  # fmt: skip
-            if not over:
+            if not over or not self._evict(sid):
                 return
-            self._remove(sid, durable=not self.shared)
-            self.evicted += 1
 
     def stats(self) -> dict[str, int]:
         return {
