@@ -20,7 +20,11 @@ conversation it ends: the earlier responses' (through
 ``previous_response_id``), this input, and this output. It is kept right
 before its final body or event goes out, never when the client left,
 failed or was refused. ``instructions`` are not carried into later
-responses (OpenAI's rule): each request brings its own."""
+responses (OpenAI's rule): each request brings its own. When it cannot be
+kept (the state store refuses the write: a full disk, a state file gone),
+nothing is kept and the client is told: a buffered request gets that error
+(503 ``state_unavailable``) instead of its body, a stream a
+``response.failed`` event carrying it instead of its last events."""
 
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from trioserve.errors import ChatTemplateError, RequestError
 from trioserve.http import openai
 from trioserve.http.connection import Connection
 from trioserve.http.edge import ServerState, affinity_key, cache_salt, check_request_tokens, default_max_tokens, output_parsing, read_body, sampling_params, tenant, with_affinity
-from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.http.errors import HTTPError, error_response, json_response, to_response
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.responses_request import ResponsesRequest, input_messages, parse_responses_request, responses_field
 from trioserve.http.schemas import parse_chat_request
@@ -256,7 +260,11 @@ class ResponseRender:
 
     async def body(self, choices: list[openai.Choice]) -> Response:
         self.output.finish(self._status(choices[0]))
-        return json_response(await self._kept(choices[0]))
+        try:
+            kept = await self._kept(choices[0])
+        except Exception as exc:  # noqa: BLE001 - not kept (the state store refused it, or the quota filled meanwhile): its error, not the body
+            return self.refusal(exc)
+        return json_response(kept)
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         payload = {**payload, "sequence_number": self.sequence}
@@ -283,7 +291,13 @@ class ResponseRender:
                 yield self._event({"type": "response.failed", "response": self.resource("failed", choice, error)})
                 return
             closing = self.output.finish(self._status(choice))
-            body = await self._kept(choice)
+            try:
+                body = await self._kept(choice)
+            except Exception as exc:  # noqa: BLE001 - not kept: the stream ends with why, never cut
+                _, error, _ = to_response(exc)
+                failed = {"code": error["error"]["code"] or "server_error", "message": error["error"]["message"]}
+                yield self._event({"type": "response.failed", "response": self.resource("failed", choice, failed)})
+                return
             for payload in closing:
                 yield self._event(payload)
             yield self._event({"type": f"response.{body['status']}", "response": body})

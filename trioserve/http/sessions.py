@@ -38,7 +38,7 @@ from trioserve.http.edge import (
     AFFINITY_HEADER, ServerState, affinity_key, cache_salt, check_request_tokens, default_max_tokens, output_parsing, read_body, resolve_seed, sampling_params, tenant,
     with_affinity,
 )  # fmt: skip
-from trioserve.http.errors import HTTPError, error_response, json_response
+from trioserve.http.errors import HTTPError, error_response, json_response, to_response
 from trioserve.http.in_flight import at_request_end
 from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.schemas import parse_chat_request
@@ -240,7 +240,10 @@ async def _ask(line: TurnLine, order: RunTurn) -> TurnOutput:
 async def _relay(line: TurnLine) -> AsyncIterator[bytes]:
     """The streamed turn's body: each chunk asked of the session actor when
     the last one has gone out. Closing it (the client left) hangs up, and
-    the actor cancels the turn."""
+    the actor cancels the turn. A turn that fails once its stream began
+    (its commit refused by the state store: a full disk, a state file gone)
+    ends with an error event in the chat stream's shape, then [DONE]: the
+    turn was cancelled, nothing committed."""
     try:
         while True:
             try:
@@ -249,7 +252,10 @@ async def _relay(line: TurnLine) -> AsyncIterator[bytes]:
             except (trio.BrokenResourceError, trio.EndOfChannel):
                 return  # the actor is done: that was the last chunk
             if isinstance(out, Failed):
-                raise out.error  # a failure mid-stream: the connection is cut, as for any broken body
+                _, body, _ = to_response(out.error)
+                yield openai.sse(body)
+                yield openai.sse("[DONE]")
+                return
             assert isinstance(out, Chunk), out
             yield out.data
     finally:
