@@ -6,8 +6,9 @@ their hashes), a JSON Accept gets the API index, and the page names no
 other host.
 
 In a real browser: Debian's chromium (`make test-tools` installs it where it
-can), driven by Playwright's sync API in a worker thread while the server
-runs on the test's trio loop. The page streams a reply (the same text the
+can), driven by Playwright's sync API in a thread of its own while the
+server runs on the test's trio loop: one chromium for the session, each
+test in a fresh context of it (its own storage, as a fresh profile). The page streams a reply (the same text the
 API gives for the same request), keeps the conversation, stops a reply
 mid-stream (the server counts it cancelled), asks for the API key once,
 and shows a server error in the server's words. Each browser test saves a
@@ -22,9 +23,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -155,23 +156,62 @@ def test_the_page_names_no_other_host():
 # -- in a real browser ----------------------------------------------------------
 
 
+class Chromium:
+    """One chromium under Playwright for the session, started and driven in
+    a thread of its own (Playwright's sync API answers only the thread that
+    started it): ``run(fn, *args)`` calls ``fn(browser, *args)`` there.
+    Each test opens a fresh context in it (its own storage and cache, as a
+    fresh profile had), so what one test's page kept no other sees."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playwright")
+        self._playwright = None
+        self.browser = None
+
+    def start(self) -> None:
+        self._thread.submit(self._start).result()
+
+    def _start(self) -> None:
+        from playwright.sync_api import sync_playwright
+
+        self._playwright = sync_playwright().start()
+        self.browser = self._playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=STEP_MS)
+
+    def run(self, fn: Callable[..., None], *args: object) -> None:
+        """Blocking: call it in a worker thread."""
+        self._thread.submit(fn, self.browser, *args).result()
+
+    def close(self) -> None:
+        def stop() -> None:
+            if self.browser is not None:
+                self.browser.close()
+            if self._playwright is not None:
+                self._playwright.stop()
+
+        try:
+            self._thread.submit(stop).result()
+        finally:
+            self._thread.shutdown()
+
+
 @pytest.fixture(scope="session")
-def chromium() -> str:
-    """The chromium to drive, once checked to start under Playwright; or the
-    test skips with the reason."""
+def chromium() -> Chromium:
+    """The chromium the browser tests share, once started under Playwright;
+    or the test skips with the reason."""
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"no {CHROMIUM} (Debian's chromium; `make test-tools` installs it as root)")
     try:
-        from playwright.sync_api import Error, sync_playwright
+        from playwright.sync_api import Error
     except ImportError as exc:
         pytest.skip(f"playwright is not installed: {exc}")
+    started = Chromium()
     try:
-        with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
-            context = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=STEP_MS)
-            context.close()
+        started.start()
     except Error as exc:
+        started.close()
         pytest.skip(f"chromium does not start under Playwright: {str(exc).splitlines()[0]}")
-    return CHROMIUM
+    yield started
+    started.close()
 
 
 @attrs.define
@@ -219,31 +259,26 @@ class Browser:
         return seen.json_value()
 
 
-def run_in_browser(chromium: str, url: str, shots: Path, name: str, scenario: Callable[[Browser], None]) -> None:
-    """Open ``url`` in a fresh chromium profile and run ``scenario``; a
+def run_in_browser(browser, url: str, shots: Path, name: str, scenario: Callable[[Browser], None]) -> None:
+    """Open ``url`` in a fresh context of ``browser`` and run ``scenario``; a
     screenshot of how the page ended is saved whatever happened. Blocking:
-    call it in a worker thread."""
-    from playwright.sync_api import sync_playwright
-
-    with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            profile, executable_path=chromium, args=CHROMIUM_ARGS, headless=True, timeout=STEP_MS, viewport={"width": 1000, "height": 760}
-        )
+    runs in the Chromium's thread."""
+    context = browser.new_context(viewport={"width": 1000, "height": 760})
+    try:
+        context.set_default_timeout(STEP_MS)
+        page = context.new_page()
+        tab = Browser(page, url)
+        page.on("console", lambda m: tab.console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: tab.console.append(f"pageerror: {e}"))
+        page.goto(url + "/", wait_until="load")
         try:
-            context.set_default_timeout(STEP_MS)
-            page = context.pages[0] if context.pages else context.new_page()
-            browser = Browser(page, url)
-            page.on("console", lambda m: browser.console.append(f"{m.type}: {m.text}"))
-            page.on("pageerror", lambda e: browser.console.append(f"pageerror: {e}"))
-            page.goto(url + "/", wait_until="load")
-            try:
-                scenario(browser)
-            finally:
-                save_screenshot(page, shots, name)
-            problems = [c for c in browser.console if "Content Security Policy" in c or c.startswith("pageerror")]
-            assert not problems, problems
+            scenario(tab)
         finally:
-            context.close()
+            save_screenshot(page, shots, name)
+        problems = [c for c in tab.console if "Content Security Policy" in c or c.startswith("pageerror")]
+        assert not problems, problems
+    finally:
+        context.close()
 
 
 def save_screenshot(page, shots: Path, name: str) -> None:
@@ -258,10 +293,10 @@ def save_screenshot(page, shots: Path, name: str) -> None:
         print(f"screenshot: {copy}")
 
 
-async def in_browser(chromium: str, url: str, tmp_path: Path, name: str, scenario: Callable[[Browser], None]) -> None:
+async def in_browser(chromium: Chromium, url: str, tmp_path: Path, name: str, scenario: Callable[[Browser], None]) -> None:
     # Every wait in the scenario has Playwright's limit, so the thread ends by itself.
     with trio.fail_after(TIMEOUT):
-        await trio.to_thread.run_sync(run_in_browser, chromium, url, tmp_path, name, scenario)
+        await trio.to_thread.run_sync(chromium.run, run_in_browser, url, tmp_path, name, scenario)
 
 
 def wait_for(check: Callable[[], str | None], *, timeout: float, what: str) -> None:
