@@ -117,18 +117,24 @@ def slow_steps(monkeypatch) -> Callable[[float], None]:
     """``slow_steps(s)`` makes every engine step take at least ``s`` seconds
     longer (a sleep in the worker thread before the real step), so that a
     request of ~200 tokens is certainly still running a second later. The
-    step itself is the real one."""
+    step itself is the real one. Called again, it changes the delay for the
+    steps after (0: none), from any thread."""
+    delay: list[float] = []
 
     def install(seconds: float) -> None:
-        real = StepRunner.forward
+        if not delay:
+            real = StepRunner.forward
 
-        def slow(self, plan):
-            import time
+            def slow(self, plan):
+                import time
 
-            time.sleep(seconds)
-            return real(self, plan)
+                if delay[0]:
+                    time.sleep(delay[0])
+                return real(self, plan)
 
-        monkeypatch.setattr(StepRunner, "forward", slow)
+            monkeypatch.setattr(StepRunner, "forward", slow)
+            delay.append(seconds)
+        delay[0] = seconds
 
     return install
 
