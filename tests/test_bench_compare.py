@@ -88,7 +88,9 @@ def test_trioserve_against_itself_reports_both_and_the_ratio(tiny_checkpoints, t
             # ignore_eos: exactly max_tokens each; the peer's come from --peer-body
             assert side["output_tokens"] == tokens * requests, (name, side)
             assert side["ttft_ms"]["p50"] is not None and side["itl_ms"]["p50"] is not None, (name, side)
-        assert entry["ratio"] == pytest.approx(entry["trioserve"]["tokens_per_s"] / entry["peer"]["tokens_per_s"], rel=0.01)
+        # the report's ratio of its two (rounded) rates, to 3 places: exactly (within 1% failed when a busy
+        # machine made the ratio small: 0.023 reported for 0.0225)
+        assert entry["ratio"] == round(entry["trioserve"]["tokens_per_s"] / entry["peer"]["tokens_per_s"], 3)
     assert report["peer_body"] == {"max_tokens": PEER_MAX_TOKENS}
     assert report["peer_cmd"] == cmd and report["machine"]
     assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", done.stdout, re.M), done.stdout
