@@ -56,7 +56,7 @@ async def test_an_adapter_answers_as_the_merged_model(nursery, tiny_gguf, adapte
             client.base_url = url
             loaded = await load(client, "tuned", adapters["a"])
             assert loaded.status_code == 200, loaded.text
-            assert loaded.json() == {"name": "tuned", "base_model": MODEL_NAME, "path": str(adapters["a"]), "rank": 4, "state": "ready", "requests_in_flight": 0}
+            assert loaded.json() == {"name": "tuned", "base_model": MODEL_NAME, "path": str(adapters["a"]), "rank": 4, "state": "ready", "requests_in_flight": 0, "shared": True}
             for prompt in PROMPTS:
                 client.base_url = url
                 tokens, logprobs = await greedy(client, "tuned", prompt)

@@ -55,6 +55,26 @@ def body_text(body: dict, field: str, *, required: bool = True, limit: int | Non
     return value
 
 
+PATH_MAX_BYTES = 4095  # Linux's PATH_MAX less its NUL: a longer path cannot name a file
+NAME_MAX_BYTES = 255  # one component of a path, in bytes
+
+
+def body_path(body: dict, field: str) -> str:
+    """A JSON body's file-system path ``field``: a non-empty string with no
+    NUL, short enough to name a file (400 naming the field otherwise: the
+    OS would refuse it later, as an error of ours)."""
+    path = body_text(body, field)
+    if "\x00" in path:
+        raise RequestError(f"{field}: a path cannot hold a NUL character", field=field)
+    size = len(path.encode("utf-8", errors="surrogatepass"))
+    if size > PATH_MAX_BYTES:
+        raise RequestError(f"{field}: a path is at most {PATH_MAX_BYTES} bytes, got {size}", field=field)
+    longest = max(len(part.encode("utf-8", errors="surrogatepass")) for part in path.split("/"))
+    if longest > NAME_MAX_BYTES:
+        raise RequestError(f"{field}: a path's parts are at most {NAME_MAX_BYTES} bytes each, one has {longest}", field=field)
+    return path
+
+
 def load_config(base: EngineConfig, path: str, options: object) -> EngineConfig:
     """``base`` for the model at ``path`` with a load's ``options`` applied:
     each by its field name, a string read as its TRIOSERVE_* variable is
@@ -183,7 +203,7 @@ def add_admin_routes(app, state: ServerState) -> None:
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
             name = body_text(body, "name", limit=MAX_NAME_CHARS)
-            path = body_text(body, "path")
+            path = body_path(body, "path")
             config = load_config(state.settings.engine, path, body.get("options"))
             model = registry.reserve(name, config)  # 409 when taken; 400 over the memory budget
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an error body

@@ -83,7 +83,7 @@ class ServerState:
             raise EngineClosed("the server is shutting down")
         if self.registry is None:
             raise HTTPError(503, "the model is still loading", kind="server_error", code="loading")
-        return self.registry.route(name, field)
+        return self.registry.route(name, field, tenant() if self.tenants.required else None)
 
     def engines(self) -> list:
         """The engines of every model that has one now."""

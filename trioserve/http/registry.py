@@ -186,12 +186,15 @@ class Adapter(Held):
     (GenerateRequest.adapter is its key, fresh for every load, so a
     reloaded adapter never meets its predecessor's cached KV)."""
 
-    def __init__(self, name: str, base: Model, key: str, path: str) -> None:
+    def __init__(self, name: str, base: Model, key: str, path: str, owner: str | None = None) -> None:
         super().__init__()
         self.name = name
         self.base = base
         self.key = key
         self.path = path
+        # The tenant that loaded it through /v1/lora_adapters, the only one
+        # that sees, uses or unloads it; None: loaded for everyone (--lora).
+        self.owner = owner
         self._state = "loading"
         self.rank = 0
         self.created = openai.now()
@@ -233,9 +236,16 @@ class Adapter(Held):
         """The adapter as /v1/models lists it (vLLM's shape: its base model as ``parent``)."""
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "trioserve", "state": self.state, "parent": self.base.name}
 
-    def describe(self) -> dict:
-        """The adapter as GET /v1/lora_adapters lists it."""
-        return {"name": self.name, "base_model": self.base.name, "path": self.path, "rank": self.rank, "state": self.state, "requests_in_flight": self.in_flight}
+    def visible_to(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` (None: the server itself) sees this adapter."""
+        return self.owner is None or tenant is None or self.owner == tenant
+
+    def describe(self, *, with_path: bool = True) -> dict:
+        """The adapter as GET /v1/lora_adapters lists it (its path only to a
+        server without API keys: a tenant never learns the server's directories)."""
+        out = {"name": self.name, "base_model": self.base.name, "rank": self.rank, "state": self.state, "requests_in_flight": self.in_flight}
+        out["shared"] = self.owner is None
+        return {**out, "path": self.path} if with_path else out
 
 
 def weights_bytes(path: str) -> int:
@@ -269,9 +279,15 @@ class Registry:
     def names(self) -> list[str]:
         return list(self.models)
 
-    def route(self, name: object, field: str = "model") -> Model | Adapter:
+    def visible_adapters(self, tenant: str | None = None) -> list[Adapter]:
+        """The adapters ``tenant`` sees (its own and the shared ones; None: all)."""
+        return [a for a in self.adapters.values() if a.visible_to(tenant)]
+
+    def route(self, name: object, field: str = "model", tenant: str | None = None) -> Model | Adapter:
         """The ready model a request's ``model`` names, held for the rest of
-        the request; with one model served, a request may leave it out."""
+        the request; with one model served, a request may leave it out.
+        ``tenant``: another tenant's adapter is not there for it (None: the
+        server itself, which sees everything)."""
         if name is not None and not isinstance(name, str):
             raise RequestError(f"{field}: expected a string, got {type(name).__name__}", field=field)
         if name is None:
@@ -279,9 +295,12 @@ class Registry:
                 served = ", ".join(repr(n) for n in self.models) or "none"
                 raise RequestError(f"{field}: required, this server serves several models ({served})", field=field)
             name = next(iter(self.models))
-        model = self.models.get(name) or self.adapters.get(name)
+        model = self.models.get(name)
         if model is None:
-            served = ", ".join(repr(n) for n in [*self.models, *self.adapters]) or "none"
+            adapter = self.adapters.get(name)
+            model = adapter if adapter is not None and adapter.visible_to(tenant) else None
+        if model is None:
+            served = ", ".join(repr(n) for n in [*self.models, *(a.name for a in self.visible_adapters(tenant))]) or "none"
             raise HTTPError(404, f"the model {name!r} does not exist (this server serves {served})", param=field, code="model_not_found")
         if model.state == "loading":
             raise HTTPError(
@@ -357,11 +376,13 @@ class Registry:
         return {"name": name, "unloaded": True, "requests_in_flight": waiting, "requests_ended": ended}
 
     # -- LoRA adapters -----------------------------------------------------------
-    async def load_adapter(self, name: str, path: str, base_name: str | None = None) -> Adapter:
+    async def load_adapter(self, name: str, path: str, base_name: str | None = None, *, owner: str | None = None, tenants: int = 1) -> Adapter:
         """Read the PEFT adapter at ``path``, check it against its base model
         (the only model, or ``base_name``), make it resident and publish it
-        under ``name``. 409 when the name is taken; AdapterError (400) naming
-        a mismatch; 400 when the base model holds --max-loras already."""
+        under ``name``, for ``owner`` alone (None: for everyone). 409 when
+        the name is taken; AdapterError (400) naming a mismatch; 400 when the
+        base model holds --max-loras already (those still loading counted),
+        or ``owner`` holds its even share of them between ``tenants``."""
         if base_name is None and len(self.models) != 1:
             raise RequestError("base_model: required, this server serves several models", field="base_model")
         base = self.models.get(base_name) if base_name is not None else next(iter(self.models.values()))
@@ -371,10 +392,20 @@ class Registry:
         if taken is not None:
             raise HTTPError(409, f"the model name {name!r} is {_taken(taken)}", param="name", code="model_exists")
         slots = base.engine.adapters
-        if slots.loaded >= slots.capacity:
-            raise HTTPError(400, f"{base.name!r} holds {slots.loaded} adapters, as many as --max-loras ({slots.capacity}) allows; unload one first", param="name", code="too_many_adapters")
+        on_base = [a for a in self.adapters.values() if a.base is base]  # loading ones too: concurrent loads cannot all pass
+        if owner is not None:
+            # Each key's even share of the room the operator's adapters leave (at least one), so no key fills it for the others.
+            share = max(1, (slots.capacity - sum(a.owner is None for a in on_base)) // max(tenants, 1))
+            mine = sum(a.owner == owner for a in on_base)
+            if mine >= share:
+                raise HTTPError(
+                    400, f"this API key holds {mine} adapters on {base.name!r}, its share ({share}) of --max-loras ({slots.capacity}); unload one first",
+                    param="name", code="too_many_adapters",
+                )  # fmt: skip
+        if len(on_base) >= slots.capacity:
+            raise HTTPError(400, f"{base.name!r} holds {len(on_base)} adapters, as many as --max-loras ({slots.capacity}) allows; unload one first", param="name", code="too_many_adapters")
         self._loads += 1
-        adapter = Adapter(name, base, f"{name}#{self._loads}", path)
+        adapter = Adapter(name, base, f"{name}#{self._loads}", path, owner)
         self.adapters[name] = adapter  # reserved: routes answer 503 loading until it is in
         try:
             read = await trio.to_thread.run_sync(lambda: load_lora_adapter(path, slots.model_config, name=name, max_rank=slots.max_rank))
@@ -386,12 +417,16 @@ class Registry:
         adapter.state = "ready"
         return adapter
 
-    async def unload_adapter(self, name: str, timeout_s: float) -> dict:
+    async def unload_adapter(self, name: str, timeout_s: float, tenant: str | None = None) -> dict:
         """Drain ``name`` as `unload` drains a model (its requests finish up
-        to ``timeout_s``, the rest end with an error event), then let it go."""
+        to ``timeout_s``, the rest end with an error event), then let it go.
+        ``tenant`` (None: the server) may unload only its own: another's is
+        not there for it, a shared one is the operator's (403)."""
         adapter = self.adapters.get(name)
-        if adapter is None:
+        if adapter is None or not adapter.visible_to(tenant):
             raise HTTPError(404, f"no LoRA adapter {name!r}", param="name", code="adapter_not_found")
+        if tenant is not None and adapter.owner != tenant:
+            raise HTTPError(403, f"the LoRA adapter {name!r} was loaded for every API key by the operator (--lora); it is unloaded with the server", kind="permission_error", param="name", code="adapter_shared")
         if adapter.state not in ("ready", "dead"):  # a dead base model's adapters can go, so it can be unloaded
             raise HTTPError(409, f"the adapter {name!r} is {adapter.state}", param="name", code="adapter_busy")
         adapter.state = "unloading"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from quart import Response
 
 from trioserve.http import prometheus
-from trioserve.http.edge import ServerState
+from trioserve.http.edge import ServerState, tenant
 from trioserve.http.errors import HTTPError, error_response, json_response
 
 
@@ -28,13 +28,11 @@ def add_status_routes(app, state: ServerState) -> None:
 
     @app.route("/v1/models")
     async def models() -> Response:
-        adapters = list(state.registry.adapters.values()) if state.registry is not None else []
-        return json_response({"object": "list", "data": [m.card() for m in [*_models(state), *adapters]]})
+        return json_response({"object": "list", "data": [m.card() for m in [*_models(state), *_adapters(state)]]})
 
     @app.route("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        adapters = list(state.registry.adapters.values()) if state.registry is not None else []
-        found = next((m for m in [*_models(state), *adapters] if m.name == model_id), None)
+        found = next((m for m in [*_models(state), *_adapters(state)] if m.name == model_id), None)
         if found is None:
             return error_response(HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"))
         return json_response(found.card())
@@ -60,6 +58,13 @@ def add_status_routes(app, state: ServerState) -> None:
             return error_response(HTTPError(503, "the model is still loading", kind="server_error", code="loading"))
         text = prometheus.render([(m.name, m.engine.statistics(), m.engine.config.batch_invariant) for m in ready])
         return Response(text, mimetype="text/plain; version=0.0.4")
+
+
+def _adapters(state: ServerState) -> list:
+    """The LoRA adapters the request's tenant sees: its own and the shared ones."""
+    if state.registry is None:
+        return []
+    return state.registry.visible_adapters(tenant() if state.tenants.required else None)
 
 
 def _models(state: ServerState) -> list:
