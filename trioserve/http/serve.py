@@ -3,12 +3,22 @@ on SIGINT or SIGTERM /health turns to 503 "draining", new requests get 503,
 requests in flight finish (bounded by the drain timeout), then the process
 exits 0. Connections go through trioserve.http.transport, which gives
 every wait on a client a deadline (write, read, keep-alive), so a client
-that never reads cannot hold the drain open."""
+that never reads cannot hold the drain open.
+
+Work that cannot be interrupted in a thread (a chat template's render, a
+LoRA regex) runs in child processes (models/bounded.py) whose waits end
+when their request is cancelled (`request_cancelled`). And whatever still
+holds the process past the drain (a thread stuck in a read), `run_server`
+ends it EXIT_GRACE_S after the drain timeout: SIGTERM always ends the
+process."""
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -21,12 +31,15 @@ from trioserve.kernels.cpu import resolve_dtype
 from trioserve.http.app import create_app
 from trioserve.http.transport import TransportLimits, serve_http
 from trioserve.actors.device import without_openmp_helpers
+from trioserve.models import bounded
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.progress import ProgressBar
 
 # After the drain, requests still running get this long before they are cut
 # (idle keep-alive connections close at once).
 CUT_GRACE_S = 1.0
+# A process not ended this long after its drain timeout is ended at once.
+EXIT_GRACE_S = 5.0
 
 
 async def wait_for_signal() -> str:
@@ -55,6 +68,16 @@ async def _drain(app, settings: ServerSettings, trigger: Callable[[], Awaitable[
             await trio.sleep(0.05)
 
 
+def request_cancelled() -> None:
+    """Raise trio.Cancelled in a thread of trio.to_thread.run_sync whose
+    task was cancelled (a request cut, the server stopping); in any other
+    thread, nothing. Installed as models/bounded.py's interrupt check."""
+    try:
+        trio.from_thread.check_cancelled()
+    except RuntimeError:  # not a thread trio started: nothing to check
+        return
+
+
 def hypercorn_config(settings: ServerSettings) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"{settings.host}:{settings.port}"]
@@ -78,6 +101,7 @@ async def serve_app(
     before anything binds. A ``checkpoint`` already loaded (benchmarks
     serving it twice) is used as is. Reports the bound URLs through
     ``task_status``. Cancelled: connections are cut and the engine stops."""
+    bounded.set_interrupt_check(request_cancelled)
     if checkpoint is None:
         progress = ProgressBar("Loading weights")
         checkpoint = await trio.to_thread.run_sync(
@@ -107,7 +131,7 @@ def run_server(settings: ServerSettings) -> int:
     """Serve until drained. A failure while starting (loading the model)
     becomes one StartupFailed with the cause's message, not a traceback."""
     try:
-        trio.run(serve_app, settings)
+        trio.run(functools.partial(serve_app, settings, shutdown_trigger=functools.partial(_with_exit_deadline, settings)))
     except BaseExceptionGroup as group:
         failure = _first(group, LifespanFailureError)
         if failure is None:
@@ -117,6 +141,23 @@ def run_server(settings: ServerSettings) -> int:
         inner = text[text.find("'") + 1 : -1] if text.endswith("'") and "'" in text else text
         raise StartupFailed(inner) from None
     return 0
+
+
+async def _with_exit_deadline(settings: ServerSettings) -> str:
+    """wait_for_signal, then arm the backstop: a timer thread that ends the
+    process EXIT_GRACE_S after the drain timeout if it still runs then."""
+    why = await wait_for_signal()
+    limit = settings.drain_timeout_s + EXIT_GRACE_S
+    timer = threading.Timer(limit, _exit_now, (limit,))
+    timer.daemon = True
+    timer.start()
+    return why
+
+
+def _exit_now(limit: float) -> None:
+    print(f"trioserve: still running {limit:g} s after the signal; exiting now", file=sys.stderr, flush=True)
+    bounded.kill_all()
+    os._exit(1)
 
 
 def _first(group: BaseExceptionGroup, kind: type) -> BaseException | None:

@@ -17,12 +17,16 @@ import torch
 from safetensors import safe_open
 
 from trioserve.errors import RequestError
+from trioserve.models import bounded
 from trioserve.models.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The submodule of a decoder layer each target sits in (HF Llama naming).
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+REGEX_TIMEOUT_S = 2.0  # matching a regex target_modules against every module name (microseconds, normally)
+REGEX_MEMORY_BYTES = 128 << 20
+MAX_REGEX_CHARS = 4096
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
@@ -200,18 +204,37 @@ def _allowed_modules(raw: dict[str, Any], config: ModelConfig, fail) -> set[tupl
     if spec == "all-linear":
         return {(i, t) for i in layers for t in TARGETS}
     if isinstance(spec, str):  # a regex PEFT fullmatches against module names
-        try:
-            pattern = re.compile(spec)
-        except re.error as exc:
-            raise fail(f"target_modules {spec!r} is not a valid regular expression: {exc}") from exc
         # PEFT applies layers_to_transform only to a list of names, not to a regex.
-        return {(i, t) for i in range(config.num_layers) for t in TARGETS if pattern.fullmatch(module_name(i, t))}
+        modules = [(i, t) for i in range(config.num_layers) for t in TARGETS]
+        return {m for m, hit in zip(modules, _fullmatches(spec, [module_name(i, t) for i, t in modules], fail)) if hit}
     if not isinstance(spec, list) or not all(isinstance(t, str) for t in spec):
         raise fail(f"target_modules {spec!r} is neither a list of module names nor a regex")
     for target in spec:
         if target not in TARGETS:
             raise fail(f"target module {target!r} is not one of {', '.join(TARGETS)}")
     return {(i, t) for i in layers for t in spec}
+
+
+def _fullmatches(spec: str, names: list[str], fail) -> list[bool]:
+    """Which ``names`` the regex ``spec`` matches whole, worked out in a
+    child process killed after REGEX_TIMEOUT_S (models/bounded.py): Python's
+    re holds the GIL for a whole match, and a pattern such as ``(.*)*Z``
+    backtracks for minutes on one module name."""
+    if len(spec) > MAX_REGEX_CHARS:
+        raise fail(f"target_modules is a regex of {len(spec)} characters; at most {MAX_REGEX_CHARS} are accepted")
+    try:
+        reply = bounded.run(
+            {"op": "fullmatch", "pattern": spec, "names": names},
+            timeout_s=REGEX_TIMEOUT_S,
+            memory_bytes=REGEX_MEMORY_BYTES,
+            reply_limit=64 + 8 * len(names),
+            what=f"matching target_modules {spec!r} against the model's {len(names)} module names",
+        )
+    except bounded.Overrun as exc:
+        raise fail(f"{exc}; give target_modules as a list of module names, or a regex that does not backtrack") from None
+    if "error" in reply:
+        raise fail(f"target_modules {spec!r} is {reply['error']}")
+    return reply["matches"]
 
 
 def _read_tensors(directory: Path, fail) -> dict[str, torch.Tensor]:
