@@ -299,3 +299,30 @@ async def test_a_bad_cache_salt_is_refused_by_name(nursery, tiny_gguf):
             for salt, fragment in (("", "must be 1 to 256 characters, got 0"), ("x" * 257, "got 257"), (5, "expected a string")):
                 answer = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cache_salt": salt})
                 assert_error(answer, 400, fragment=fragment, param="cache_salt")
+
+
+async def test_a_chosen_session_id_is_each_tenants_own(nursery, tiny_gguf):
+    """X-Session-Id names a session within its tenant (issue #49): two keys
+    choosing one id get two sessions, neither learns of the other's (no
+    409), neither can lock the other out, and each reaches only its own."""
+    url = await start_server(nursery, make_settings(tiny_gguf, api_key=(ALICE, BOB)))
+    key = {"X-Session-Id": "chat-1"}
+    with trio.fail_after(TIMEOUT):
+        async with client(url, ALICE) as alice, client(url, BOB) as bob:
+            hers = await alice.post("/v1/sessions", json={"system": "Alice's.", "seed": 1}, headers=key)
+            assert hers.status_code == 200 and hers.json()["id"] == "chat-1" and hers.headers["X-Session-Id"] == "chat-1", hers.text
+            his = await bob.post("/v1/sessions", json={"system": "Bob's.", "seed": 2}, headers=key)
+            assert his.status_code == 200 and his.json()["id"] == "chat-1", his.text  # not a 409: nothing of Alice's shows
+            again = await alice.post("/v1/sessions", json={}, headers=key)
+            assert_error(again, 409, fragment="a session 'chat-1' exists already (X-Session-Id)", param="X-Session-Id", code="session_exists")
+            said = await alice.post("/v1/sessions/chat-1/turns", json=turn("hi"))
+            assert said.status_code == 200 and said.headers["X-Session-Id"] == "chat-1", said.text
+            assert (await alice.get("/v1/sessions/chat-1")).json()["system"] == "Alice's."
+            mine = (await bob.get("/v1/sessions/chat-1")).json()
+            assert mine["system"] == "Bob's." and mine["turns"] == 0 and mine["id"] == "chat-1"
+            gone = await bob.delete("/v1/sessions/chat-1")
+            assert gone.status_code == 200 and gone.json()["id"] == "chat-1"
+            assert (await alice.get("/v1/sessions/chat-1")).json()["turns"] == 1  # hers is untouched
+            missing = await bob.get("/v1/sessions/chat-1")
+            assert_error(missing, 404, fragment="no session 'chat-1'", param=None, code=None)
+            assert "alice" not in missing.text

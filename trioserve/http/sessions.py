@@ -44,7 +44,7 @@ from trioserve.http.job import GenerationJob, Prompt
 from trioserve.http.schemas import parse_chat_request
 from trioserve.http.tools import compile_guides, message_dict, off_loop, render_prompt_ids
 from trioserve.state.durable import StateConflict
-from trioserve.state.session import Session, Turn
+from trioserve.state.session import Session, SessionBusy, SessionNotFound, Turn
 from trioserve.state.session_store import SessionStore
 
 # Chat fields a session keeps as defaults for its turns.
@@ -113,8 +113,9 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             seed = _session_seed(body)
             defaults = await _check_settings(body, engine)
             chosen = affinity_key()  # a client's own key becomes the session's id, so a load balancer can route its creation too
+            key = None if chosen is None else scoped_id(chosen)  # its tenant's own: another's of that name is another session
             try:
-                session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=chosen, owner=tenant())
+                session = store.prepare_create(trio.current_time(), system=system, defaults=defaults, seed=seed, created=time.time(), model=model.name, session_id=key, owner=tenant())
             except ValueError:
                 raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
             try:
@@ -124,29 +125,30 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 raise HTTPError(409, f"a session {chosen!r} exists already ({AFFINITY_HEADER})", param=AFFINITY_HEADER, code="session_exists") from None
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        return with_affinity(json_response(_describe(session), 200), session.id)
+        return with_affinity(json_response(_describe(session), 200), public_id(session.id))
 
     @app.route("/v1/sessions/<session_id>", methods=["GET"])
     async def read_session(session_id: str) -> Response:
         try:
-            await synced(store, session_id)
-            return with_affinity(json_response(_describe(store.get(session_id, trio.current_time(), owner=tenant()))), session_id)
+            key = await _find(store, session_id)
+            return with_affinity(json_response(_describe(store.get(key, trio.current_time(), owner=tenant()))), session_id)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
     @app.route("/v1/sessions/<session_id>", methods=["DELETE"])
     async def delete_session(session_id: str) -> Response:
         try:
-            await synced(store, session_id)
-            store.check_delete(session_id, trio.current_time(), owner=tenant())
-            await durably(store.write_delete, session_id, store.journal is not None)
-            store.forget(session_id)
+            key = await _find(store, session_id)
+            store.check_delete(key, trio.current_time(), owner=tenant())
+            await durably(store.write_delete, key, store.journal is not None)
+            store.forget(key)
         except Exception as exc:  # noqa: BLE001
-            return error_response(exc)
+            return error_response(_as_sent(exc, session_id))
         return json_response({"id": session_id, "object": "session.deleted", "deleted": True})
 
     @app.route("/v1/sessions/<session_id>/turns", methods=["POST"])
     async def turn(session_id: str) -> Response:
+        public, session_id = session_id, session_id  # the id as sent; session_id becomes the store's key below
         try:
             body = await read_body(state)
             if not isinstance(body, dict):
@@ -155,7 +157,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             for message in messages if isinstance(messages, list) else ():  # other shapes: parse_chat_request says why
                 if isinstance(message, dict) and message.get("role") not in ("user", "tool"):
                     raise HTTPError(400, "messages: a turn brings only user or tool messages; the session keeps the rest", param="messages")
-            await synced(store, session_id)  # another replica may have made or continued it
+            session_id = await _find(store, public)  # another replica may have made or continued it
             found = store.get(session_id, trio.current_time(), owner=tenant())
             model = state.route(found.model)  # the session's model runs its turns
             engine = model.engine
@@ -174,7 +176,7 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             salt, owner = cache_salt(req.cache_salt), tenant()  # here: the turn is prepared in its actor's task, outside the request
             line = actors.begin(session_id, trio.current_time(), engine, owner=owner)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an OpenAI error body
-            return error_response(exc)
+            return error_response(_as_sent(exc, public))
         restart = "seed" in body  # a new seed restarts the stream; otherwise it continues
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -217,12 +219,12 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
             line.hang_up()  # cancelled: the client left while the turn was starting
             raise
         if isinstance(first, Opened):
-            return with_affinity(sse_response(_relay(line)), session_id)
+            return with_affinity(sse_response(_relay(line)), public)
         line.hang_up()
         if isinstance(first, Answer):
-            return with_affinity(first.response, session_id)
+            return with_affinity(first.response, public)
         if isinstance(first, Failed):
-            return error_response(first.error)
+            return error_response(_as_sent(first.error, public))
         raise AssertionError(f"a session actor answered {first!r} first")
 
     return store
@@ -270,9 +272,46 @@ def _history_message(message: dict) -> dict:
     return kept
 
 
+def scoped_id(chosen: str) -> str:
+    """The store's key for a session id a client chose (X-Session-Id): the
+    tenant's name and the id, so each tenant has its own names (one cannot
+    learn, take or lock out another's); the id itself without API keys.
+    Ids the server makes are random and taken as they are."""
+    owner = tenant()
+    return f"{owner}/{chosen}" if owner else chosen
+
+
+def public_id(key: str) -> str:
+    """The id a client knows for the store's ``key`` (`scoped_id` undone:
+    neither an id nor a tenant name holds a '/')."""
+    return key.partition("/")[2] or key
+
+
+async def _find(store: SessionStore, session_id: str) -> str:
+    """The store's key for the id in a request's path: the tenant's own
+    chosen id when there is one, else the id as it is (the server's random
+    ids, and sessions from before ids were scoped; the owner check on each
+    use keeps another tenant's out, as a 404)."""
+    key = scoped_id(session_id)
+    if key != session_id:
+        await synced(store, key)
+        if key in store:
+            return key
+    await synced(store, session_id)
+    return session_id
+
+
+def _as_sent(exc: BaseException, public: str) -> BaseException:
+    """``exc`` with the store's key in its message shown as the id the client sent."""
+    key = scoped_id(public)
+    if key != public and isinstance(exc, (SessionBusy, SessionNotFound)) and repr(key) in str(exc):
+        return type(exc)(str(exc).replace(repr(key), repr(public)))
+    return exc
+
+
 def _describe(session: Session) -> dict:
     return {
-        "id": session.id,
+        "id": public_id(session.id),
         "object": "session",
         "model": session.model,
         "created": int(session.created),

@@ -98,6 +98,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
     def create(self, now: float, **fields: Any) -> Session:
         """A new session, written (with a journal) and kept: ``fields`` as
         `prepare_create` takes them."""
