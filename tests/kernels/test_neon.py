@@ -77,12 +77,22 @@ def _compile(*args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+_BUILT: list[ArmBuild] = []  # the session's one build (test_attention_levels_bits.py runs it too)
+
+
 @pytest.fixture(scope="module")
 def arm(tmp_path_factory) -> ArmBuild:
     """The kernels as native_build.py builds them (its flags, `ARM_MARCH` for
     `-march=native`) with the harness linked to them; where the cross
-    libgomp is missing, the harness with the source included, no OpenMP."""
-    where = tmp_path_factory.mktemp("arm64")
+    libgomp is missing, the harness with the source included, no OpenMP.
+    Built once a session: every module that takes this fixture gets the
+    same files (read only), not a build of its own (~8 s each)."""
+    if not _BUILT:
+        _BUILT.append(_build_arm(tmp_path_factory.mktemp("arm64")))
+    return _BUILT[0]
+
+
+def _build_arm(where: Path) -> ArmBuild:
     exe, lib = where / "harness", where / "libtrioserve_arm64.so"
     sysroot = Path(subprocess.run([CC, "-print-file-name=libc.so.6"], capture_output=True, text=True, check=True).stdout.strip()).resolve().parent.parent
     gomp = Path(subprocess.run([CC, "-print-file-name=libgomp.so"], capture_output=True, text=True, check=True).stdout.strip())
