@@ -162,22 +162,30 @@ async def test_a_backtracking_target_modules_regex_is_refused_while_health_answe
 
 async def test_a_template_that_loops_on_every_conversation_is_refused_at_load(nursery, tiny_gguf, tmp_path, monkeypatch):
     """An admin load of a model whose chat template loops on every
-    conversation is refused once its load check runs past the deadline,
-    and the served models stay as they were."""
-    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 2.0)
+    conversation is refused once its load check runs past the deadline;
+    /health answers meanwhile and the served models stay as they were."""
+    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 5.0)
     tokenizer = train_tiny_tokenizer()
     looping = write_gguf(tmp_path / "looping.gguf", tiny_weights(tokenizer.get_vocab_size(), seed=0), tokenizer, chat_template=SPIN)
     key = "admin-key-49"
     url = await start_server(nursery, attrs.evolve(make_settings(tiny_gguf), admin_api_key=key))
     async with httpx.AsyncClient(base_url=url, timeout=GUARD_S) as client:
         with trio.fail_after(GUARD_S):
-            refused = await client.post("/admin/models/load", headers={"Authorization": f"Bearer {key}"}, json={"name": "looping", "path": str(looping)})
+            poller = HealthPoller(client)
+            async with trio.open_nursery() as inner:
+                await inner.start(poller.run)
+                refused = await client.post("/admin/models/load", headers={"Authorization": f"Bearer {key}"}, json={"name": "looping", "path": str(looping)})
+                during = poller.answers
+                inner.cancel_scope.cancel()
             error = assert_error(
                 refused, 400, param="path", code="load_failed",
-                fragment="rendering the chat template ran for more than 2 s and was stopped at load, on a user message; "
+                fragment="rendering the chat template ran for more than 5 s and was stopped at load, on a user message; "
                 "the model's chat template cannot be served",
             )  # fmt: skip
             assert error["message"].startswith("loading 'looping' from "), error
+            assert during >= 2, f"/health answered {during} times during the load"
+            # Checked on the event loop, the load would hold every /health for the whole 5 s.
+            assert poller.longest < 4.5, f"a /health waited {poller.longest:.1f} s during the load"
             assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == [MODEL_NAME]
     assert busy_children() == 0
 

@@ -28,6 +28,7 @@ event (`Engine.stop`), then stops the engine, whose memory goes with it."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import traceback
@@ -144,7 +145,10 @@ class Model(Held):
                     building.finish()
                     self.checkpoint = None  # the engine holds what it needs; nothing else keeps the tensors
                     tok = engine.tokenizer
-                    self.template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+                    # Compiled and checked in a child process (models/bounded.py), off the event loop:
+                    # a template past its budget raises TemplateOverrun and the load fails.
+                    template = functools.partial(ChatTemplate, tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+                    self.template = await trio.to_thread.run_sync(template)
                     mode = self.reasoning_parser
                     self.reasoning = mode == "on" or (mode == "auto" and len(tok.encode(THINK_OPEN, add_bos=False)) == 1)
                     self.engine = engine
