@@ -52,6 +52,7 @@ from trioserve.http.errors import error_response
 from trioserve.http.registry import Model
 from trioserve.http.structuring import Invalid, Nested, field, got, raise_request_error, strict_converter
 from trioserve.http.tools import off_loop, render_prompt_ids
+from trioserve.models.chat_template import TemplateOverrun
 from trioserve.types import MAX_TOP_LOGPROBS, FinalEvent, GenerateRequest, SamplingParams, TokenEvent
 
 MAX_DOCUMENTS = 1024  # documents in one /v1/rerank request; texts on either side of one /v1/score request
@@ -254,6 +255,8 @@ def judge_prompt_ids(tokenizer, template, query: str, document: str) -> list[int
     user = f"<Query>: {query}\n<Document>: {document}"
     try:
         return render_prompt_ids(tokenizer, template, [{"role": "system", "content": JUDGE_INSTRUCTION}, {"role": "user", "content": user}])
+    except TemplateOverrun:
+        raise  # past its budget: another shape would only cost the budget again
     except ChatTemplateError:
         return render_prompt_ids(tokenizer, template, [{"role": "user", "content": f"{JUDGE_INSTRUCTION}\n\n{user}"}])
 
