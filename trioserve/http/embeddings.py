@@ -35,14 +35,13 @@ from typing import Literal, TypeVar
 import attrs
 import cattrs
 import trio
-from cattrs.errors import BaseValidationError
 from quart import Response
 
 from trioserve.errors import RequestError, RequestTooLarge, TrioserveError
 from trioserve.http.edge import ServerState, check_request_tokens, read_body
 from trioserve.http.errors import HTTPError, error_response
 from trioserve.http.schemas import token_ids
-from trioserve.http.structuring import Invalid, Nested, field, got, is_int, raise_request_error, strict_converter
+from trioserve.http.structuring import Invalid, field, got, is_int, strict_converter, structure_body
 from trioserve.http.tools import off_loop
 from trioserve.types import FinalEvent
 
@@ -115,13 +114,7 @@ def _converter() -> cattrs.Converter:
 def parse_embedding_request(body: object) -> EmbeddingRequest:
     """The embeddings request in ``body`` (parsed JSON), or RequestError
     naming the first problem's JSON path."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field=None)
-    try:
-        return _converter().structure(body, EmbeddingRequest)
-    except (BaseValidationError, Invalid, Nested) as exc:
-        raise_request_error(exc)
-        raise  # unreachable: raise_request_error always raises
+    return structure_body(_converter(), body, EmbeddingRequest)
 
 
 def check_dimensions(dimensions: int | None, hidden_size: int) -> None:

@@ -41,7 +41,6 @@ from collections.abc import Sequence
 import attrs
 import cattrs
 import numpy as np
-from cattrs.errors import BaseValidationError
 from quart import Response
 
 from trioserve.errors import ChatTemplateError, RequestError, RequestTooLarge
@@ -50,7 +49,7 @@ from trioserve.http.edge import ServerState, check_request_tokens, read_body
 from trioserve.http.embeddings import BIG_RESPONSE, Inputs, embed_all, ended_badly, engine_window, input_limit, prompt_ids, run_windowed
 from trioserve.http.errors import error_response
 from trioserve.http.registry import Model
-from trioserve.http.structuring import Invalid, Nested, field, got, raise_request_error, strict_converter
+from trioserve.http.structuring import Invalid, field, got, strict_converter, structure_body
 from trioserve.http.tools import off_loop, render_prompt_ids
 from trioserve.models.chat_template import TemplateOverrun
 from trioserve.types import MAX_TOP_LOGPROBS, FinalEvent, GenerateRequest, SamplingParams, TokenEvent
@@ -150,13 +149,7 @@ def _converter() -> cattrs.Converter:
 
 
 def _parse(body: object, cls: type):
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field=None)
-    try:
-        return _converter().structure(body, cls)
-    except (BaseValidationError, Invalid, Nested) as exc:
-        raise_request_error(exc)
-        raise  # unreachable: raise_request_error always raises
+    return structure_body(_converter(), body, cls)
 
 
 def parse_rerank_request(body: object) -> RerankRequest:

@@ -37,7 +37,7 @@ from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import attrs
 import cattrs
-from cattrs.errors import AttributeValidationNote, IterableValidationNote
+from cattrs.errors import AttributeValidationNote, BaseValidationError, IterableValidationNote
 from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.errors import RequestError
@@ -419,3 +419,16 @@ def renamed_field(field: str, origins: Sequence[str], renames: Sequence[tuple[re
         if pattern.match(field):
             return pattern.sub(name, field, count=1)
     return field
+
+
+def structure_body(converter: cattrs.Converter, body: object, cls: type) -> Any:
+    """``body`` (parsed JSON) as the record ``cls``, by ``converter``; a
+    RequestError naming the first problem's JSON path, or saying the body
+    is not an object."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field=None)
+    try:
+        return converter.structure(body, cls)
+    except (BaseValidationError, Invalid, Nested) as exc:
+        raise_request_error(exc)
+        raise  # unreachable: raise_request_error always raises

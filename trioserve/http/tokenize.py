@@ -18,14 +18,13 @@ import functools
 
 import attrs
 import cattrs
-from cattrs.errors import BaseValidationError
 from quart import Response, request
 
 from trioserve.errors import RequestError
 from trioserve.http.chat_parts import CalledFunction, ChatMessage, ContentPart, FunctionDef, MessageToolCall, Tool
 from trioserve.http.edge import ServerState, read_body
 from trioserve.http.errors import error_response, json_response
-from trioserve.http.structuring import Invalid, Nested, field, raise_request_error, strict_converter
+from trioserve.http.structuring import Invalid, field, strict_converter, structure_body
 from trioserve.http.tools import message_dict, off_loop, render_prompt_ids
 
 # The root paths these routes serve, which the API key guards as it guards /v1.
@@ -60,17 +59,8 @@ def _converter() -> cattrs.Converter:
     return strict_converter(ContentPart, CalledFunction, MessageToolCall, FunctionDef, Tool, ChatMessage, TokenizeRequest, DetokenizeRequest)
 
 
-def _parse(body: object, cls: type):
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field=None)
-    try:
-        return _converter().structure(body, cls)
-    except (BaseValidationError, Invalid, Nested) as exc:
-        raise_request_error(exc)
-
-
 def parse_tokenize_request(body: object) -> TokenizeRequest:
-    req: TokenizeRequest = _parse(body, TokenizeRequest)
+    req: TokenizeRequest = structure_body(_converter(), body, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("send either prompt (text) or messages (a chat), not both and not neither", field="prompt")
     if req.messages is None and req.tools is not None:
@@ -85,7 +75,7 @@ def parse_tokenize_request(body: object) -> TokenizeRequest:
 
 
 def parse_detokenize_request(body: object) -> DetokenizeRequest:
-    req: DetokenizeRequest = _parse(body, DetokenizeRequest)
+    req: DetokenizeRequest = structure_body(_converter(), body, DetokenizeRequest)
     if len(req.tokens) > MAX_DETOKENIZE_IDS:
         raise RequestError(f"at most {MAX_DETOKENIZE_IDS} token ids, got {len(req.tokens)}", field="tokens")
     return req
