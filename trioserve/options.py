@@ -126,8 +126,8 @@ OPTIONS: tuple[Option, ...] = (
        "TRIOSERVE_KERNELS", choices=KERNEL_CHOICES, flag_reads_env=True),
     _o("--activations", "engine.activations", TEXT, ACTIVATION_CHOICES[0],
        "how the 4-bit projections take their inputs: `int8` (rounded to 8 bits per block of 32, integer dot products "
-       "with AVX-512 VNNI or AVX2, the same bits on either: llama.cpp's arithmetic; faster at many streams, greedy "
-       "replies further from the exact model's; refused where the CPU has neither), `bf16` (exact products) or `auto`: "
+       "in the C kernels, the same bits at every CPU level (AVX-512, AVX2, NEON, plain C): llama.cpp's arithmetic; faster "
+       "at many streams, greedy replies further from the exact model's; refused where the C kernels cannot run), `bf16` (exact products) or `auto`: "
        "int8 where its kernel runs, else bf16; the 5-6-bit (Q5_0, Q5_1, Q5_K, Q6_K) and 8-bit (Q8_0) layers run on "
        "their codes only with `int8`, dense with `bf16`; F16/BF16 layers run on their 16 bits either way; what the "
        "model ran is recorded in traces, and the model card's `compute.weights` says how each kind of layer is held; "

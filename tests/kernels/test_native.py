@@ -362,7 +362,7 @@ def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_c
     from trioserve.models.llama import LlamaModel
 
     if activations == "int8" and not native.int4_q8_supported(16, 32):
-        pytest.skip("no int8-activation C kernel here: no AVX-512 VNNI or AVX2, or no C compiler (the twin alone is tested in test_native_q8.py)")
+        pytest.skip("no int8-activation C kernel here: no C compiler (the twin alone is tested in test_native_q8.py)")
     for dtype in (torch.float32, torch.bfloat16):
         ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
         fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations=activations)

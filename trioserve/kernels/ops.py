@@ -245,8 +245,8 @@ def select_kernels(
         activations = "int8" if int8_here else "bf16"
     if activations == "int8" and not int8_here:
         raise ValueError(
-            "--activations int8 needs the C kernels on a CPU with AVX-512 VNNI or AVX2 "
-            f"(here: {'no VNNI' if native_here else 'no C kernels for this ' + device.type + ' model'}); use --activations bf16"
+            "--activations int8 needs the C kernels, which run bfloat16 or float32 models on the CPU at every instruction-set level "
+            f"(here: {'no int8 path in the built kernels' if native_here else 'no C kernels for this ' + device.type + ' model'}); use --activations bf16"
         )
     if native_here:
         return NativeKernels(attention_in_c=native.supports(heads, kv_heads, head_dim), activations=activations)
