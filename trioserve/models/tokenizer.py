@@ -29,6 +29,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from trioserve.errors import TokenizerError
+from trioserve.models.files import MAX_JSON, MAX_TEMPLATE, MAX_TOKENIZER_JSON, FileRefused, read_text
 
 # Token types in GGUF's tokenizer.ggml.token_type that are matched as whole ids.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -218,10 +219,11 @@ class Tokenizer:
         tokenizer_config.json and generation_config.json (optional)."""
         path = Path(path)
         try:
-            raw = (path / "tokenizer.json").read_text(encoding="utf-8")
+            raw = read_text(path / "tokenizer.json", MAX_TOKENIZER_JSON)
+        except FileRefused as exc:
+            raise TokenizerError(f"cannot read {exc}") from None
+        try:
             backend = tokenizers.Tokenizer.from_str(raw)
-        except OSError as exc:
-            raise TokenizerError(f"cannot read {path / 'tokenizer.json'}: {exc.strerror}") from exc
         except Exception as exc:
             raise TokenizerError(f"{path / 'tokenizer.json'} is not a valid tokenizer: {exc}") from exc
         config = _read_json(path / "tokenizer_config.json")
@@ -254,8 +256,11 @@ class Tokenizer:
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None and (path / "chat_template.jinja").exists():
+            try:
+                template = read_text(path / "chat_template.jinja", MAX_TEMPLATE)
+            except FileRefused as exc:
+                raise TokenizerError(f"cannot read {exc}") from None
         decoder = json.loads(raw).get("decoder") or {}
         parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
         byte_level = any(p.get("type") == "ByteLevel" for p in parts)
@@ -376,11 +381,13 @@ def _special_pattern(tokens: Sequence[AddedToken]) -> re.Pattern[str] | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object file, or {} when it does not exist."""
-    if not path.is_file():
-        return {}
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        value = json.loads(read_text(path, MAX_JSON))
+    except FileRefused as exc:
+        if exc.missing:
+            return {}
+        raise TokenizerError(f"cannot read {exc}") from None
+    except ValueError as exc:
         raise TokenizerError(f"cannot read {path}: {exc}") from exc
     if not isinstance(value, dict):
         raise TokenizerError(f"{path} does not hold a JSON object")
