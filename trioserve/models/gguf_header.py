@@ -31,6 +31,14 @@ _SCALAR = {kind: struct.calcsize("<" + fmt) for kind, fmt in _FORMAT.items()}
 _STRING, _ARRAY = 8, 9
 _UINT32 = 4
 MAX_DIMS = 8
+# Counts in the header, bounded before anything is made per item. A count
+# is also bounded by the bytes left (each item takes some), but an item of a
+# few bytes becomes a Python object of tens: a 100 MB file could still ask
+# for gigabytes. Generous: published files have ~30-60 metadata keys, a few
+# thousand tensors, vocabularies up to 262,144 tokens and as many merges.
+MAX_METADATA = 1 << 16
+MAX_TENSORS = 1 << 18
+MAX_ARRAY_ITEMS = 1 << 22
 # Tensor types whose data are plain numbers: the numpy type of their view (the rest are bytes).
 _PLAIN = {
     gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
@@ -136,6 +144,10 @@ def _walk(cur: _Cursor, path: Path) -> tuple[dict[str, Any], list[tuple[str, tup
         raise CheckpointError(path, f"unsupported GGUF version {version} (trioserve reads versions 2 and 3)")
     tensors = cur.take("<Q", "the tensor count")
     fields = cur.take("<Q", "the metadata count")
+    if tensors > MAX_TENSORS:
+        raise CheckpointError(path, f"corrupt GGUF file: it claims {tensors} tensors (trioserve reads at most {MAX_TENSORS})")
+    if fields > MAX_METADATA:
+        raise CheckpointError(path, f"corrupt GGUF file: it claims {fields} metadata keys (trioserve reads at most {MAX_METADATA})")
     metadata: dict[str, Any] = {}
     for i in range(fields):
         key = cur.string(f"metadata key {i}").decode("utf-8", errors="replace")
@@ -177,7 +189,9 @@ def _tensor(path: Path, data: np.memmap, start: int, name: str, shape: tuple[int
     except (ValueError, KeyError):
         raise CheckpointError(path, f"corrupt GGUF file: tensor {name!r} has unknown type {kind}") from None
     dims = tuple(reversed(shape))  # numpy's order: rows first
-    if not shape or shape[0] % block:
+    if not shape or 0 in shape:
+        raise CheckpointError(path, f"corrupt GGUF file: tensor {name!r} has shape {list(shape)}, with no elements")
+    if shape[0] % block:
         raise CheckpointError(path, f"corrupt GGUF file: tensor {name!r} of shape {list(shape)} is not whole {tensor_type.name} blocks of {block}")
     n_bytes = math.prod(shape) // block * type_size
     at = start + offset
@@ -224,15 +238,16 @@ def _value(cur: _Cursor, kind: int, key: str) -> Any:
     if kind == _ARRAY:
         item = cur.take("<I", f"the item type of {key!r}")
         count = cur.take("<Q", f"the item count of {key!r}")
+        # Every item takes at least its scalar, or a string's 8-byte length: first the bytes left, then the bound.
+        cur.need(count * _SCALAR.get(item, 8), f"the {count} items of {key!r}")
+        if count > MAX_ARRAY_ITEMS:
+            raise CheckpointError(cur.path, f"corrupt GGUF file: {key!r} claims {count} items (trioserve reads at most {MAX_ARRAY_ITEMS})")
         if item in _FORMAT:
             size = count * _SCALAR[item]
-            cur.need(size, f"the {count} items of {key!r}")
             values = np.frombuffer(cur.data, dtype="<" + _FORMAT[item], count=count, offset=cur.at).tolist()
             cur.at += size
             return values
         if item == _STRING:
-            # Every string item has at least its 8-byte length.
-            cur.need(count * 8, f"the {count} items of {key!r}")
             return _strings(cur, count, key)
         raise CheckpointError(cur.path, f"corrupt GGUF file: {key!r} is an array of unknown type {item}")
     raise CheckpointError(cur.path, f"corrupt GGUF file: {key!r} has unknown value type {kind}")
