@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from collections.abc import Callable, Iterator, Mapping
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -152,6 +153,44 @@ def check_complete(
         have = tuple(int(d) for d in shapes[name])
         if have != want:
             raise CheckpointError(path, f"tensor {spelled(name)!r} has shape {have}, but the model's settings imply {want}")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_layers(path: Path, config: ModelConfig, names: Iterable[str], *, key: str) -> None:
+    """CheckpointError unless the file's layer tensors (``names``, HF names)
+    are for exactly ``config.num_layers`` layers, which the file's ``key``
+    declares: a count that disagrees with the tensors either leaves layers
+    unused (the model computes with fewer than it was trained with) or asks
+    for ones that are not there. Checked before anything is made per layer."""
+    layers = {int(m.group(1)) for name in names if (m := _LAYER.match(name))}
+    count = max(layers) + 1 if layers else 0
+    if count == config.num_layers:
+        return
+    held = f"tensors for {count} layers" if count else "no layer tensors"
+    raise CheckpointError(path, f"{key!r} is {config.num_layers}, but the file has {held}")
+
+
+# How many more embedding rows than tokenizer ids a checkpoint may have:
+# models pad their embedding for the kernels' sake (Qwen2.5: 271 rows, Phi-3:
+# 53, DeepSeek-V2: 2,385), never by a large part of it.
+def padding_allowed(rows: int) -> int:
+    return max(1024, rows // 8)
+
+
+def check_vocabulary(path: Path, config: ModelConfig, tokenizer: Tokenizer, *, tokens: str, rows: str) -> None:
+    """CheckpointError unless ``tokenizer`` fits the model's embedding: no
+    id past its rows (the lookup would fail mid-step), and not so few ids
+    that the tokenizer cannot be the model's own (its text would be garbage).
+    ``tokens`` and ``rows`` name where the file says each."""
+    have, want = tokenizer.vocab_size, config.vocab_size
+    if have > want:
+        raise CheckpointError(path, f"the tokenizer ({tokens}) has {have} tokens, more than the {want} embedding rows ({rows})")
+    if want - have > padding_allowed(want):
+        raise CheckpointError(
+            path, f"the tokenizer ({tokens}) has {have} tokens for {want} embedding rows ({rows}): not this model's tokenizer"
+        )
 
 
 def resolve_model_path(model: str) -> Path:

@@ -3,6 +3,7 @@ or a Hugging Face config.json. Plain data; no torch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,23 @@ class RopeScaling:
     original_max_position: int = 8192
 
 
+# Bounds on a checkpoint's settings, checked before anything is made from
+# them. Generous: the longest published context is ~10M positions (Llama 4
+# Scout), the deepest decoders have a few hundred layers.
+MAX_CONTEXT = 1 << 24
+MAX_LAYERS = 4096
+
+
+class BadSetting(ValueError):
+    """A ModelConfig field with a value no model has; ``field`` is the
+    attribute's name (the loaders say which key of the file set it)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(problem)
+
+
 @attrs.frozen
 class ModelConfig:
     architecture: str
@@ -49,13 +67,41 @@ class ModelConfig:
     rope_scaling: RopeScaling = RopeScaling()
 
     def __attrs_post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BadSetting(name, f"is {value!r}, not a whole number of at least 1")
+        if self.num_layers > MAX_LAYERS:
+            raise BadSetting("num_layers", f"is {self.num_layers}, more than the {MAX_LAYERS} layers trioserve loads")
+        if self.max_position > MAX_CONTEXT:
+            raise BadSetting("max_position", f"is {self.max_position}, more than the {MAX_CONTEXT} positions trioserve serves")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads} query heads do not divide into {self.num_kv_heads} KV heads")
+            raise BadSetting("num_kv_heads", f"{self.num_heads} query heads do not divide into {self.num_kv_heads} KV heads")
+        if self.head_dim % 2:
+            raise BadSetting("head_dim", f"is {self.head_dim}: rotary embeddings need an even head size")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise BadSetting("rope_theta", f"is {self.rope_theta!r}, not a finite number greater than 1")
+        if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
+            raise BadSetting("rms_eps", f"is {self.rms_eps!r}, not a finite number between 0 and 1")
+        _check_scaling(self.rope_scaling)
 
     @property
     def kv_bytes_per_token_element(self) -> int:
         """Elements of K and V stored per token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _check_scaling(s: RopeScaling) -> None:
+    if not (math.isfinite(s.factor) and s.factor > 0):
+        raise BadSetting("rope_scaling.factor", f"is {s.factor!r}, not a finite number greater than 0")
+    if s.kind != "llama3":
+        return
+    if not (math.isfinite(s.low_freq_factor) and s.low_freq_factor > 0):
+        raise BadSetting("rope_scaling.low_freq_factor", f"is {s.low_freq_factor!r}, not a finite number greater than 0")
+    if not (math.isfinite(s.high_freq_factor) and s.high_freq_factor > s.low_freq_factor):
+        raise BadSetting("rope_scaling.high_freq_factor", f"is {s.high_freq_factor!r}, not a finite number greater than the low_freq_factor {s.low_freq_factor!r}")
+    if isinstance(s.original_max_position, bool) or not isinstance(s.original_max_position, int) or not 1 <= s.original_max_position <= MAX_CONTEXT:
+        raise BadSetting("rope_scaling.original_max_position", f"is {s.original_max_position!r}, not a whole number from 1 to {MAX_CONTEXT}")
 
 
 def _need(meta: Mapping[str, Any], key: str, path: Path) -> Any:
@@ -64,96 +110,186 @@ def _need(meta: Mapping[str, Any], key: str, path: Path) -> Any:
     return meta[key]
 
 
+def _whole(value: Any, key: str, path: Path, where: str) -> int:
+    """``value`` as an int: an int, or a float with no fraction (JSON writers
+    spell some so); CheckpointError naming ``key`` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise CheckpointError(path, f"{where}{key!r} is {value!r}, not a whole number")
+
+
+def _positive(value: int, key: str, path: Path, where: str) -> int:
+    """``value`` where it is at least 1 (what other settings are divided by)."""
+    if value < 1:
+        raise CheckpointError(path, f"{where}{key!r} is {value}, not a whole number of at least 1")
+    return value
+
+
+def _number(value: Any, key: str, path: Path, where: str) -> float:
+    """``value`` as a float (an int or a float, never a bool or a text)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise CheckpointError(path, f"{where}{key!r} is {value!r}, not a number")
+
+
 def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, tie_embeddings: bool) -> ModelConfig:
     """Build the config from GGUF metadata; the vocabulary size and whether the
-    output head is tied are read off the tensors by the caller."""
+    output head is tied are read off the tensors by the caller. Every value
+    is checked (type, range, consistency) before anything is made from it;
+    a refusal names the metadata key."""
     arch = _need(meta, "general.architecture", path)
     if arch not in GGUF_ARCHITECTURES:
         supported = ", ".join(sorted(GGUF_ARCHITECTURES))
         raise CheckpointError(path, f"unsupported architecture {arch!r} (supported: {supported})")
     p = f"{arch}."
-    hidden = int(_need(meta, p + "embedding_length", path))
-    heads = int(_need(meta, p + "attention.head_count", path))
-    kv_heads = int(meta.get(p + "attention.head_count_kv", heads))
-    head_dim = int(meta.get(p + "attention.key_length", meta.get(p + "rope.dimension_count", hidden // heads)))
+    keys = {
+        "vocab_size": "token_embd.weight's rows", "hidden_size": p + "embedding_length", "intermediate_size": p + "feed_forward_length",
+        "num_layers": p + "block_count", "num_heads": p + "attention.head_count", "num_kv_heads": p + "attention.head_count_kv",
+        "head_dim": p + "attention.key_length", "rope_theta": p + "rope.freq_base", "rms_eps": p + "attention.layer_norm_rms_epsilon",
+        "max_position": p + "context_length", "rope_scaling.factor": p + "rope.scaling.factor",
+    }  # fmt: skip
+
+    def whole(key: str, default: int | None = None) -> int:
+        return _whole(_need(meta, key, path) if default is None else meta.get(key, default), key, path, "metadata ")
+
+    def number(key: str, default: float) -> float:
+        return _number(meta.get(key, default), key, path, "metadata ")
+
+    hidden = _positive(whole(p + "embedding_length"), p + "embedding_length", path, "metadata ")
+    heads = _positive(whole(p + "attention.head_count"), p + "attention.head_count", path, "metadata ")
+    kv_heads = whole(p + "attention.head_count_kv", heads)
+    # As llama.cpp reads them: a head is key_length wide (else hidden / heads), and
+    # rotated over rope.dimension_count of it (else all of it), which must be all here.
+    head_dim = whole(p + "attention.key_length", hidden // heads)
+    if p + "attention.key_length" not in meta:
+        keys["head_dim"] = p + "embedding_length"
+    rotary = meta.get(p + "rope.dimension_count")
+    if rotary is not None and _whole(rotary, p + "rope.dimension_count", path, "metadata ") != head_dim:
+        raise CheckpointError(
+            path, f"metadata {p + 'rope.dimension_count'!r} is {rotary}, but the heads are {head_dim} wide: partial rotary embeddings are not supported"
+        )
     scaling = RopeScaling()
     kind = meta.get(p + "rope.scaling.type", "none")
     if kind == "linear":
-        scaling = RopeScaling("linear", float(meta.get(p + "rope.scaling.factor", 1.0)))
+        scaling = RopeScaling("linear", number(p + "rope.scaling.factor", 1.0))
     elif kind not in ("none", None):
         raise CheckpointError(path, f"unsupported rope scaling type {kind!r}")
     return _build(
         path,
+        keys,
+        "metadata ",
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(_need(meta, p + "feed_forward_length", path)),
-        num_layers=int(_need(meta, p + "block_count", path)),
+        intermediate_size=whole(p + "feed_forward_length"),
+        num_layers=whole(p + "block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
-        rms_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(meta.get(p + "context_length", 4096)),
+        rope_theta=number(p + "rope.freq_base", 10000.0),
+        rms_eps=number(p + "attention.layer_norm_rms_epsilon", 1e-5),
+        max_position=whole(p + "context_length", 4096),
         tie_embeddings=tie_embeddings,
         attention_bias=GGUF_ARCHITECTURES[arch],
         rope_scaling=scaling,
     )
 
 
-def _build(path: Path, **fields: Any) -> ModelConfig:
+def _build(path: Path, keys: Mapping[str, str], where: str, **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
-    except ValueError as exc:
-        raise CheckpointError(path, str(exc)) from exc
+    except BadSetting as exc:
+        key = keys.get(exc.field, exc.field)
+        if exc.field == "num_kv_heads" and "divide" in exc.problem:
+            raise CheckpointError(path, f"{exc.problem} ({where}{key!r})") from None
+        raise CheckpointError(path, f"{where}{key!r} {exc.problem}") from None
+
+
+# config.json's key for each ModelConfig field.
+HF_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "rope_theta": "rope_theta", "rms_eps": "rms_norm_eps", "max_position": "max_position_embeddings",
+    "rope_scaling.factor": "rope_scaling.factor", "rope_scaling.low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_scaling.high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_scaling.original_max_position": "rope_scaling.original_max_position_embeddings",
+}  # fmt: skip
 
 
 def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:
-    """Build the config from a parsed Hugging Face config.json."""
+    """Build the config from a parsed Hugging Face config.json, every value
+    checked as `config_from_gguf` checks; a refusal names the key."""
     model_type = raw.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         supported = ", ".join(sorted(HF_MODEL_TYPES))
         raise CheckpointError(path, f"unsupported model_type {model_type!r} (supported: {supported})")
-    try:
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
-        scaling = _hf_rope_scaling(raw.get("rope_scaling"), path)
-        return ModelConfig(
-            architecture=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position=int(raw.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", HF_MODEL_TYPES[model_type])),
-            rope_scaling=scaling,
-        )
-    except KeyError as exc:
-        raise CheckpointError(path, f"config.json lacks required key {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(path, f"config.json has a bad value: {exc}") from exc
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise CheckpointError(path, f"config.json lacks required key {key!r}")
+        return raw[key]
+
+    def whole(key: str, default: int | None = None) -> int:
+        value = raw.get(key)
+        return _whole(need(key) if default is None else default if value is None else value, key, path, "")
+
+    def number(key: str, default: float) -> float:
+        value = raw.get(key)
+        return _number(default if value is None else value, key, path, "")
+
+    hidden = _positive(whole("hidden_size"), "hidden_size", path, "")
+    heads = _positive(whole("num_attention_heads"), "num_attention_heads", path, "")
+    tie = raw.get("tie_word_embeddings", False)
+    bias = raw.get("attention_bias", HF_MODEL_TYPES[model_type])
+    for key, value in (("tie_word_embeddings", tie), ("attention_bias", bias)):
+        if not isinstance(value, bool):
+            raise CheckpointError(path, f"{key!r} is {value!r}, not true or false")
+    return _build(
+        path,
+        HF_KEYS,
+        "",
+        architecture=model_type,
+        vocab_size=whole("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=whole("intermediate_size"),
+        num_layers=whole("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=whole("num_key_value_heads", heads),
+        head_dim=whole("head_dim", hidden // heads),
+        rope_theta=number("rope_theta", 10000.0),
+        rms_eps=number("rms_norm_eps", 1e-6),
+        max_position=whole("max_position_embeddings", 4096),
+        tie_embeddings=tie,
+        attention_bias=bias,
+        rope_scaling=_hf_rope_scaling(raw.get("rope_scaling"), path),
+    )
 
 
-def _hf_rope_scaling(raw: Mapping[str, Any] | None, path: Path) -> RopeScaling:
+def _hf_rope_scaling(raw: Any, path: Path) -> RopeScaling:
     if not raw:
         return RopeScaling()
+    if not isinstance(raw, Mapping):
+        raise CheckpointError(path, f"'rope_scaling' is {raw!r}, not an object")
     kind = raw.get("rope_type", raw.get("type", "default"))
+
+    def number(key: str, default: float | None = None) -> float:
+        if raw.get(key) is None and default is None:
+            raise CheckpointError(path, f"config.json lacks required key 'rope_scaling.{key}'")
+        return _number(raw.get(key, default), f"rope_scaling.{key}", path, "")
+
     if kind == "default":
         return RopeScaling()
     if kind == "linear":
-        return RopeScaling("linear", float(raw["factor"]))
+        return RopeScaling("linear", number("factor"))
     if kind == "llama3":
+        original = raw.get("original_max_position_embeddings", 8192)
         return RopeScaling(
             "llama3",
-            float(raw["factor"]),
-            float(raw.get("low_freq_factor", 1.0)),
-            float(raw.get("high_freq_factor", 4.0)),
-            int(raw.get("original_max_position_embeddings", 8192)),
+            number("factor"),
+            number("low_freq_factor", 1.0),
+            number("high_freq_factor", 4.0),
+            _whole(original, "rope_scaling.original_max_position_embeddings", path, ""),
         )
     raise CheckpointError(path, f"unsupported rope_scaling type {kind!r}")

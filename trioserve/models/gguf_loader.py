@@ -18,7 +18,7 @@ from trioserve.kernels.int4 import INT4_TYPES, Int4Rows
 from trioserve.kernels.int6 import INT6_TYPES, Int6Rows
 from trioserve.kernels.int8w import Q8Rows
 from trioserve.kernels.w16 import W16_TYPES, W16Rows, check_finite16
-from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete
+from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete, check_layers, check_vocabulary
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.gguf_file import metadata, open_reader
 from trioserve.models.gguf_header import GGUFFile, GGUFTensor
@@ -102,9 +102,12 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         raise CheckpointError(path, "missing tensor 'token_embd.weight'")
     vocab = int(tensors["model.embed_tokens.weight"].shape[-1])
     config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
+    check_layers(path, config, tensors, key=f"{config.architecture}.block_count")
     shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
     check_complete(path, config, shapes, spelled=gguf_name)
+    _check_rope_freqs_shape(path, config, shapes.get("rope_freqs"))
     tokenizer = _tokenizer(meta, path)
+    check_vocabulary(path, config, tokenizer, tokens="tokenizer.ggml.tokens", rows="token_embd.weight")
 
     # The matrix that gives the logits: its own, or the embedding where the two are tied.
     head_name = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
@@ -161,6 +164,8 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             held[name] = _dense(path, t, heads, dtype, reader)
         if progress is not None:
             progress(done, len(tensors))
+    if "rope_freqs" in held and not bool((held["rope_freqs"] > 0).all()):
+        raise CheckpointError(path, "corrupt tensor 'rope_freqs.weight': its frequency divisors must be greater than 0")
     weights = LazyWeights(held, made, list(tensors), dtype)
     codes = LazyWeights({}, int4, list(int4))
     codes6 = LazyWeights({}, int6, list(int6))
@@ -264,7 +269,18 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as exc:
-        raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from exc
+        raise CheckpointError(path, f"bad tokenizer metadata: {exc}") from None
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        # Values of the wrong type (numbers where texts belong, ...).
+        raise CheckpointError(path, f"bad tokenizer metadata: {type(exc).__name__}: {exc}") from None
+
+
+def _check_rope_freqs_shape(path: Path, config: ModelConfig, shape: tuple[int, ...] | None) -> None:
+    """Llama 3's per-frequency divisors, where the file has them: one per rotary pair."""
+    if shape is not None and shape != (config.head_dim // 2,):
+        raise CheckpointError(
+            path, f"tensor 'rope_freqs.weight' has shape {shape}, but the model's settings imply {(config.head_dim // 2,)}"
+        )
 
 
 DEQUANTIZE_SLICE_ROWS = 2048  # rows dequantized at a time: the gguf package's temporaries are several times a slice

@@ -10,20 +10,25 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from trioserve.errors import CheckpointError, TokenizerError
-from trioserve.models.checkpoint import Checkpoint, Progress, check_complete
+from trioserve.models.checkpoint import Checkpoint, Progress, check_complete, check_layers, check_vocabulary
 from trioserve.models.config import config_from_hf
+from trioserve.models.files import MAX_JSON, FileRefused, is_regular_file, kind_of, read_text
 from trioserve.models.tokenizer import Tokenizer
 
 INDEX = "model.safetensors.index.json"
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(path, "no such file")
+    """A JSON object file, read as untrusted (models/files.py)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(path, f"not valid JSON ({exc})") from exc
+        value = json.loads(read_text(path, MAX_JSON))
+    except FileRefused as exc:
+        raise CheckpointError(path, exc.problem) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(path, f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(path, f"holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _shards(directory: Path) -> dict[str, Path]:
@@ -33,6 +38,10 @@ def _shards(directory: Path) -> dict[str, Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(index, "has no 'weight_map' object")
+        for name, file in weight_map.items():
+            # A shard is a file of this directory: no other directory's, nothing but a plain name.
+            if not isinstance(file, str) or file in ("", ".", "..") or Path(file).name != file or "\\" in file:
+                raise CheckpointError(index, f"names {file!r} as the file of {name!r}: not a file name in the checkpoint's directory")
         return {name: directory / file for name, file in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -45,8 +54,10 @@ def _shards(directory: Path) -> dict[str, Path]:
 
 
 def _open(file: Path):
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(file, "no such file (named by the index)")
+    if not is_regular_file(file):
+        raise CheckpointError(file, f"is {kind_of(file.stat().st_mode)}, not a regular file")
     try:
         return safe_open(str(file), framework="pt")
     except (SafetensorError, OSError) as exc:
@@ -58,19 +69,24 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
     try:
         return Tokenizer.from_hf_dir(directory)
     except TokenizerError as exc:
-        raise CheckpointError(directory, f"bad tokenizer: {exc}") from exc
+        raise CheckpointError(directory, f"bad tokenizer: {exc}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, RecursionError) as exc:
+        # A tokenizer_config.json whose values have the wrong types (an id where a text belongs, ...).
+        raise CheckpointError(directory, f"bad tokenizer: {type(exc).__name__}: {exc}") from None
 
 
 def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
     config = config_from_hf(_read_json(directory / "config.json"), directory / "config.json")
     tokenizer = load_hf_tokenizer(directory)
     owner = _shards(directory)
+    check_layers(directory / "config.json", config, owner, key="num_hidden_layers")
     shapes = {}
     for file in sorted(set(owner.values())):
         handle = _open(file)
         for name in handle.keys():
             shapes[name] = tuple(handle.get_slice(name).get_shape())
     check_complete(directory, config, {n: shapes[n] for n in owner if n in shapes})
+    check_vocabulary(directory, config, tokenizer, tokens="tokenizer.json", rows="vocab_size in config.json")
 
     by_file: dict[Path, list[str]] = {}
     for name, file in owner.items():
