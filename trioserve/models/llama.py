@@ -82,6 +82,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, divisors: t
     return inv
 
 
+ROPE_SLICE = 1 << 14  # positions computed at a time: the float64 angles of a slice, never of the whole table
+
+
+def rope_tables(inv: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, [positions, len(inv)] float32,
+    each element computed in float64 and rounded once (the same bits
+    whatever the slicing); a slice of positions at a time, so the float64
+    temporaries stay a slice's."""
+    cos = torch.empty((positions, inv.numel()), dtype=torch.float32)
+    sin = torch.empty_like(cos)
+    for start in range(0, positions, ROPE_SLICE):
+        end = min(positions, start + ROPE_SLICE)
+        angles = torch.outer(torch.arange(start, end, dtype=torch.float64), inv)
+        cos[start:end] = angles.cos()
+        sin[start:end] = angles.sin()
+    return cos, sin
+
+
 class LlamaModel:
     """Owns the weights on one device. Not thread-safe: one step at a time."""
 
@@ -101,6 +119,7 @@ class LlamaModel:
         w16: Mapping[str, W16Parts] | None = None,
         kv_dtype: torch.dtype | None = None,
         progress: Callable[[int, int], None] | None = None,
+        max_model_len: int | None = None,
     ):
         """``int4``: 4-bit codes of some projections (Checkpoint.int4); used for
         generated tokens when the weights are bf16 on CPU.
@@ -125,7 +144,10 @@ class LlamaModel:
         the bytes attention reads, K and V rounded to bf16 as they are
         stored (what a bf16 model's pool holds). ``progress(done, total)``:
         called as each layer is built (packing a big model's codes takes a
-        while: ~50 s for an 8B file on two cores)."""
+        while: ~50 s for an 8B file on two cores). ``max_model_len``: the
+        longest sequence served (--max-model-len): the RoPE tables hold
+        min(it, the file's context length) positions, so their memory
+        follows what is served, not what a file declares."""
         self.config = config
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
@@ -294,9 +316,8 @@ class LlamaModel:
         self.head_out_dtype = torch.float32 if self.head_int8 is None and self.device.type != "cpu" and float_logits_mm(self.lm_head) else None
         divisors = weights.get("rope_freqs")
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, divisors)
-        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv)
-        self.rope_cos = angles.cos().float().to(self.device)
-        self.rope_sin = angles.sin().float().to(self.device)
+        positions = config.max_position if max_model_len is None else max(1, min(config.max_position, max_model_len))
+        self.rope_cos, self.rope_sin = (t.to(self.device) for t in rope_tables(inv, positions))
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._scratch: torch.Tensor | None = None  # [2, n]: gathered K and V (see _gather_buffers)
         # Where every per-layer call would be a C kernel, the layers run in one C call a step
@@ -305,6 +326,11 @@ class LlamaModel:
         self.runner: LayerRunner | None = LayerRunner.for_model(self)
         # LoRA adapters resident for this model; none until the engine allows some (--max-loras).
         self.lora = LoraSet(config, self.dtype, capacity=0, device=self.device)
+
+    @property
+    def max_positions(self) -> int:
+        """How many positions the model serves: its RoPE tables' length."""
+        return int(self.rope_cos.shape[0])
 
     @classmethod
     def from_checkpoint(
@@ -318,13 +344,14 @@ class LlamaModel:
         activations: str = "auto",
         kv_dtype: torch.dtype | None = None,
         progress: Callable[[int, int], None] | None = None,
+        max_model_len: int | None = None,
     ) -> LlamaModel:
         int4 = checkpoint.int4 if use_int4 else None
         model = cls(
             checkpoint.config, checkpoint.weights, int4=int4, device=device, batch_invariant=batch_invariant, kernels=kernels,
             activations=activations, rows=checkpoint.rows, int6=checkpoint.int6 if use_int4 else None,
             int8=checkpoint.int8 if use_int4 else None, w16=checkpoint.w16 if use_int4 else None, kv_dtype=kv_dtype,
-            progress=progress,
+            progress=progress, max_model_len=max_model_len,
         )  # fmt: skip
         checkpoint.drop_file_pages()
         return model
@@ -396,8 +423,8 @@ class LlamaModel:
         """The step's layers: K/V written into ``cache``, and the fp32
         residual stream after the last layer, [T_padded, hidden]."""
         c = self.config
-        if int(batch.positions.max()) >= c.max_position:
-            raise ValueError(f"position {int(batch.positions.max())} is past the model's {c.max_position}")
+        if int(batch.positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(batch.positions.max())} is past the model's {self.max_positions}")
         if batch.fixed != self.batch_invariant:
             raise ValueError(f"a step built with fixed={batch.fixed} for a model with batch_invariant={self.batch_invariant}")
         if self.kernels.name != "reference":  # what the kernels are then called with, unchecked, on every layer
