@@ -325,7 +325,7 @@ async def open_engine(
                 lambda: LlamaModel.from_checkpoint(
                     checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
                     kernels=config.kernels, activations=config.activations, kv_dtype=resolve_kv_dtype(config.kv_cache_dtype),
-                    progress=build_progress,
+                    progress=build_progress, max_model_len=config.max_model_len,  # RoPE tables for what is served, not what the file says
                 )
             )
         elif model.batch_invariant != config.batch_invariant:

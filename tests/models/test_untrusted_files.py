@@ -200,7 +200,7 @@ def test_a_huge_block_count_is_refused_at_once(tiny_checkpoints, tmp_path):
     path = set_gguf_u32(tiny_gguf(tiny_checkpoints, tmp_path), "llama.block_count", 3_000_000)
     started = time.monotonic()
     err = refused(path)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 10.0  # it took 40 s and 5 GB before the bound; a busy machine still makes 10
     assert "'llama.block_count' is 3000000" in err.problem
 
 
@@ -246,6 +246,41 @@ def test_a_long_context_costs_only_the_context_served(tiny_checkpoints, tmp_path
     context, served, load_growth, build_growth = (int(x) for x in out)
     assert (context, served) == (1 << 22, 8192)
     assert load_growth < 32 << 20 and build_growth < 64 << 20, (load_growth, build_growth)
+
+
+ENGINE_CHILD = textwrap.dedent(
+    """
+    import resource, sys
+    import trio
+    from trioserve.config import EngineConfig
+    from trioserve.engine import open_engine
+
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    async def main():
+        async with open_engine(EngineConfig(model=sys.argv[1], dtype="float32", max_model_len=8192, kv_cache_bytes=1 << 20)) as engine:
+            pass
+        before = peak()
+        async with open_engine(EngineConfig(model=sys.argv[2], dtype="float32", max_model_len=8192, kv_cache_bytes=1 << 20)) as engine:
+            print(engine.max_model_len, peak() - before)
+
+    trio.run(main)
+    """
+)
+
+
+def test_an_engine_serving_8192_of_a_long_contexts_positions_builds_tables_for_8192(tiny_checkpoints, tmp_path):
+    # What the server does (open_engine passes --max-model-len on): 2^22 rows of
+    # RoPE tables would be 512 MB for the tiny model's head size; 8192 are 1 MB.
+    path = set_gguf_u32(tiny_gguf(tiny_checkpoints, tmp_path), "llama.context_length", 1 << 22)
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_CHILD, str(tiny_checkpoints["gguf_f32"]), str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    served, growth = (int(x) for x in out.stdout.split()[-2:])
+    assert served == 8192 and growth < 64 << 20, (served, growth / 2**20)
 
 
 def test_the_rope_tables_follow_the_context_served(tiny_checkpoints):

@@ -297,6 +297,7 @@ def model_runner(head: dict, source) -> RunStep:
     model = LlamaModel.from_checkpoint(
         checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto"),
         activations=engine.get("activations", "bf16"), kv_dtype=resolve_kv_dtype(engine.get("kv_cache_dtype", "auto")),
+        max_model_len=core["max_model_len"],  # the recorded core's: no position past it was ever run
     )  # fmt: skip
     cache = model.new_kv_cache(core["num_blocks"], core["block_size"])
     numerics = NUMERICS[head.get("sampler", "torch")]
