@@ -6,6 +6,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# OpenMP threads that wait for work sleep instead of spinning (libgomp's
+# default spins ~300,000 rounds after every parallel region). On a 2-core
+# machine shared with other work, the spinning workers hold the cores that
+# the computing thread and the other processes need, and every parallel
+# region waits for a descheduled thread: with another test run beside it,
+# tests/test_engine.py took 76-173 s here instead of 3 s, and
+# tests/http/test_server.py 51 s instead of 7 s. On an idle machine it
+# makes no difference (10 s either way). It changes no result (the same
+# threads split the same work), only how an idle thread waits; set here,
+# before torch loads, and inherited by every process a test starts. An
+# explicit OMP_WAIT_POLICY is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # The Triton kernels (trioserve/kernels/gpu) run under Triton's
 # interpreter on a machine without a GPU. The variable is read when a kernel
 # module is imported, so it is set here, before any test module loads.
