@@ -182,43 +182,58 @@ from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.llama import LlamaModel
 from trioserve.models.step import SeqChunk, build_step
 
-path, out = sys.argv[1], sys.argv[2]
-model = LlamaModel.from_checkpoint(load_checkpoint(path, dtype=torch.float32), batch_invariant=True, kernels="auto", activations="int8")
-assert model.kernels.name == "native" and model.kernels.activations == "int8", (model.kernels.name, model.kernels.activations)
-prompts = [[5, 9, 33, 7, 2, 8, 11, 4, 17], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [40, 2]]
-block, per_seq = 4, 8
-tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
-cache = model.new_kv_cache(per_seq * len(prompts), block)
-step = build_step([SeqChunk(p, 0, t[: (len(p) + block - 1) // block]) for p, t in zip(prompts, tables)], block, fixed=True)
-logits, lengths = [], [len(p) for p in prompts]
-for _ in range(8):
-    got = model.forward(step, cache)
-    logits.append(got.clone())
-    chunks = []
-    for i, row in enumerate(got):
-        chunks.append(SeqChunk([int(row.argmax())], lengths[i], tables[i][: lengths[i] // block + 1], decode=True))
-        lengths[i] += 1
-    step = build_step(chunks, block, fixed=True)
-torch.save({"isa": native.isa(), "runner": model.runner is not None, "logits": logits}, out)
+def run(path, out):
+    model = LlamaModel.from_checkpoint(load_checkpoint(path, dtype=torch.float32), batch_invariant=True, kernels="auto", activations="int8")
+    assert model.kernels.name == "native" and model.kernels.activations == "int8", (model.kernels.name, model.kernels.activations)
+    prompts = [[5, 9, 33, 7, 2, 8, 11, 4, 17], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [40, 2]]
+    block, per_seq = 4, 8
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    cache = model.new_kv_cache(per_seq * len(prompts), block)
+    step = build_step([SeqChunk(p, 0, t[: (len(p) + block - 1) // block]) for p, t in zip(prompts, tables)], block, fixed=True)
+    logits, lengths = [], [len(p) for p in prompts]
+    for _ in range(8):
+        got = model.forward(step, cache)
+        logits.append(got.clone())
+        chunks = []
+        for i, row in enumerate(got):
+            chunks.append(SeqChunk([int(row.argmax())], lengths[i], tables[i][: lengths[i] // block + 1], decode=True))
+            lengths[i] += 1
+        step = build_step(chunks, block, fixed=True)
+    torch.save({"isa": native.isa(), "runner": model.runner is not None, "logits": logits}, out)
+
+for path, out in zip(sys.argv[1::2], sys.argv[2::2], strict=True):  # (model, output) pairs, one after the other
+    run(path, out)
 """
+KINDS = ("gguf_q4_1", "gguf_q8_0")
 
 
-@pytest.mark.parametrize("kind", ["gguf_q4_1", "gguf_q8_0"])
-def test_the_tiny_models_give_the_same_logits_at_generic_avx2_and_native(tiny_checkpoints, kind, tmp_path):
-    """Each level in a process of its own, as a server would run it."""
+@pytest.fixture(scope="module")
+def level_logits(tiny_checkpoints, tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """{level: {kind: what _CHILD saved}} for generic and the SIMD levels
+    that run here: each level in a process of its own, as a server would
+    run it, which runs the tiny Q4_1 model and then the Q8_0 one (one
+    process a level, not one a level and model: ~1.3 s each saved)."""
     _generic()
     levels = ["generic", *(level for level in ("avx2", "native") if level_fits(level) is None and native_build.library_at(level) is not None)]
     if len(levels) < 2:
         pytest.skip("no SIMD level runs here to compare the plain C build with")
+    where = tmp_path_factory.mktemp("levels")
     results = {}
     for level in levels:
-        out = tmp_path / f"{level}.pt"
+        pairs = [(str(tiny_checkpoints[kind]), str(where / f"{level}-{kind}.pt")) for kind in KINDS]
         env = {**os.environ, CPU_FEATURES_ENV: level}
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(tiny_checkpoints[kind]), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+            [sys.executable, "-c", _CHILD, *(arg for pair in pairs for arg in pair)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        results[level] = torch.load(out)
+        results[level] = {kind: torch.load(out) for kind, (_, out) in zip(KINDS, pairs, strict=True)}
+    return results
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_tiny_models_give_the_same_logits_at_generic_avx2_and_native(level_logits, kind):
+    """Each level in a process of its own, as a server would run it."""
+    results = {level: by_kind[kind] for level, by_kind in level_logits.items()}
     assert results["generic"]["isa"] == "generic"
     first = results.pop("generic")
     for level, other in results.items():
