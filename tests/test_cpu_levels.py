@@ -95,8 +95,23 @@ def _greedy(url: str) -> list[str]:
     return reply["choices"][0]["logprobs"]["tokens"]
 
 
+@pytest.fixture(scope="module")
+def native_tokens(tiny_checkpoints) -> list[str]:
+    """The native level's greedy tokens on the tiny Q4_1 model in float32
+    (what the narrower levels compute), from one server for the module: the
+    AVX2 levels' tests compare with the same tokens, so they need not start
+    a native server each."""
+    wide = Server(tiny_checkpoints["gguf_q4_1"], "native", "--dtype", "float32")
+    try:
+        wide_isa = native_build.library_at("native").trioserve_isa().decode()
+        assert httpx.get(f"{wide.url}/v1/models", timeout=30).json()["data"][0]["compute"]["cpu_kernels"] == wide_isa
+        return _greedy(wide.url)
+    finally:
+        wide.close()
+
+
 @pytest.mark.parametrize("level", ["avx2", "avx2-vnni"])
-def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_checkpoints, level):
+def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_checkpoints, level, request):
     unfit = level_fits(level)
     if unfit:
         pytest.skip(f"{CPU_FEATURES_ENV}={level}: {unfit}")
@@ -116,13 +131,7 @@ def test_an_avx2_level_says_how_it_computes_and_serves_the_native_tokens(tiny_ch
         narrow_tokens = _greedy(narrow.url)
     finally:
         narrow.close()
-    wide = Server(model, "native", "--dtype", "float32")
-    try:
-        wide_isa = native_build.library_at("native").trioserve_isa().decode()
-        assert httpx.get(f"{wide.url}/v1/models", timeout=30).json()["data"][0]["compute"]["cpu_kernels"] == wide_isa
-        assert _greedy(wide.url) == narrow_tokens  # the same bits, so the same greedy tokens
-    finally:
-        wide.close()
+    assert request.getfixturevalue("native_tokens") == narrow_tokens  # the same bits, so the same greedy tokens
 
 
 def test_serve_shows_the_model_being_built_layer_by_layer(tiny_checkpoints):
