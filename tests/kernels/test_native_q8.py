@@ -282,7 +282,7 @@ def test_select_kernels_takes_int8_where_it_runs_and_refuses_it_elsewhere(monkey
     if native.int4_q8_supported(16, 32):
         assert select_kernels("auto", cpu, torch.float32, 4, 2, 16, "int8").activations == "int8"
     # A float16 model has no C kernels: int8 would mean the twin, far too slow to serve.
-    with pytest.raises(ValueError, match="--activations int8 needs the C kernels on a CPU with AVX-512 VNNI .*use --activations bf16"):
+    with pytest.raises(ValueError, match="--activations int8 needs the C kernels, which run bfloat16 or float32 models on the CPU at every instruction-set level .*use --activations bf16"):
         select_kernels("auto", cpu, torch.float16, 4, 2, 16, "int8")
     with pytest.raises(ValueError, match="activations must be one of auto, bf16, int8, got 'fp8'"):
         select_kernels("auto", cpu, torch.float32, 4, 2, 16, "fp8")
