@@ -26,7 +26,7 @@ import torch
 from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.kv_pool import BlockPool
 
@@ -51,7 +51,7 @@ PROMPTS = (
 )
 
 
-def greedy(model: LlamaModel, stop_ids, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(model: DecoderModel, stop_ids, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy replies, each sequence alone (batch-invariant models give the
     same bits in company; this keeps the float32 reference simple)."""
     out = []
@@ -99,12 +99,12 @@ def main() -> None:
     tok = exact.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
     prompts = [tok.encode(template.render([{"role": "user", "content": q}])) for q in PROMPTS]
-    reference = greedy(LlamaModel.from_checkpoint(exact, use_int4=False, batch_invariant=True), tok.stop_ids, prompts, args.max_tokens)
+    reference = greedy(DecoderModel.from_checkpoint(exact, use_int4=False, batch_invariant=True), tok.stop_ids, prompts, args.max_tokens)
     del exact
     served = load_checkpoint("smollm2", dtype=resolve_dtype("auto"))
     replies = {"float32": reference}
     for name, activations in (("bf16act", "bf16"), ("int8act", "int8")):
-        model = LlamaModel.from_checkpoint(served, batch_invariant=True, activations=activations)
+        model = DecoderModel.from_checkpoint(served, batch_invariant=True, activations=activations)
         replies[name] = greedy(model, tok.stop_ids, prompts, args.max_tokens)
         del model
     texts = {name: [tok.decode(r) for r in rs] for name, rs in replies.items()}

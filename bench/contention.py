@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trioserve.kernels.cpu import resolve_dtype  # noqa: E402
 from trioserve.kernels.cpu import ThreadGovernor, cpu_flags, default_threads  # noqa: E402
 from trioserve.models.checkpoint import load_checkpoint  # noqa: E402
-from trioserve.models.llama import LlamaModel  # noqa: E402
+from trioserve.models.decoder import DecoderModel  # noqa: E402
 from trioserve.models.step import SeqChunk, build_step  # noqa: E402
 from trioserve.state.kv_pool import BlockPool  # noqa: E402
 
@@ -38,7 +38,7 @@ BATCHES = (1, 32)
 BUSY = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 
 
-def step_ms(model: LlamaModel, batch: int, steps: int, governor: ThreadGovernor | None = None) -> float:
+def step_ms(model: DecoderModel, batch: int, steps: int, governor: ThreadGovernor | None = None) -> float:
     """The mean decode step's milliseconds for ``batch`` sequences, on
     torch's thread count, or on the count ``governor`` chooses per step (as
     the worker does), over the steps after each count was tried once."""
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     ckpt = load_checkpoint(args.model, dtype=resolve_dtype("auto"))
-    model = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
+    model = DecoderModel.from_checkpoint(ckpt, batch_invariant=True)
     out: dict[str, dict[str, dict[str, float]]] = {"quiet": {}, "busy": {}}
     for mode in ("quiet", "busy"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY, str(cores[-1])]) if mode == "busy" else None

@@ -24,7 +24,7 @@ import torch
 
 from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.kv_pool import BlockPool
 
@@ -45,7 +45,7 @@ VARIANTS = (
 )
 
 
-def measure(model: LlamaModel, *, decode_steps: int, repeats: int) -> dict:
+def measure(model: DecoderModel, *, decode_steps: int, repeats: int) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     fixed = model.batch_invariant
@@ -118,7 +118,7 @@ def main() -> None:
     for name in dtypes:
         dtype, *extras = name.split("+")
         checkpoint = load_checkpoint(args.model, dtype=resolve_dtype(dtype))
-        model = LlamaModel.from_checkpoint(
+        model = DecoderModel.from_checkpoint(
             checkpoint, use_int4="int4" in extras, batch_invariant="invariant" in extras, activations="int8" if "int8act" in extras else "bf16"
         )
         results[name] = measure(model, decode_steps=args.decode_steps, repeats=args.repeats)

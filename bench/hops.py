@@ -95,13 +95,13 @@ def forward_step_ms(context: int, steps: int, threads: int) -> float:
     torch.set_num_threads(threads)
     from trioserve.kernels.cpu import resolve_dtype
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
     from trioserve.models.step_runner import StepRunner
     from trioserve.state.kv_pool import BlockPool
     from trioserve.types import PlanRow, SampleRow, SamplingParams, StepPlan
 
     checkpoint = load_checkpoint("smollm2", dtype=resolve_dtype("auto"))
-    model = LlamaModel.from_checkpoint(checkpoint, use_int4=True)
+    model = DecoderModel.from_checkpoint(checkpoint, use_int4=True)
     block = 16
     pool = BlockPool(-(-(context + steps + 1) // block), block)
     cache = model.new_kv_cache(pool.num_blocks, block)

@@ -32,7 +32,7 @@ import trioserve.kernels.reference as reference
 import trioserve.models.step as step_module
 from trioserve.kernels.cpu import resolve_dtype
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.kv_pool import BlockPool
 
@@ -46,7 +46,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint("smollm2", dtype=resolve_dtype("auto"))
-    model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=args.batch_invariant)
+    model = DecoderModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=args.batch_invariant)
     pool = BlockPool(4000, BLOCK)
     cache = model.new_kv_cache(pool.num_blocks, BLOCK)
     rng = random.Random(0)

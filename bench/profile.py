@@ -50,7 +50,7 @@ from trioserve.kernels.cpu import auto_dtype
 from trioserve.kernels.projection import Projection
 from trioserve.models import step as step_mod
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk
 from trioserve.state.kv_pool import BlockPool
 
@@ -80,7 +80,7 @@ def labels():
 
     patch(Projection, "__call__", "projections")
     patch(Projection, "fixed", "projections")
-    patch(LlamaModel, "_head", "head")
+    patch(DecoderModel, "_head", "head")
     patch(reference, "paged_attention", "attention")
     patch(native, "decode_attention", "attention")  # decode rows, where the C kernels are built
     patch(native, "rms_norm", "norms")
@@ -99,7 +99,7 @@ def labels():
             setattr(owner, name, original)
 
 
-def _best(model: LlamaModel, cache, make_chunks, steps: int) -> float:
+def _best(model: DecoderModel, cache, make_chunks, steps: int) -> float:
     """The fastest of ``steps`` steps, in wall seconds, after two to warm up."""
     fixed = model.batch_invariant
     for k in range(2):
@@ -112,7 +112,7 @@ def _best(model: LlamaModel, cache, make_chunks, steps: int) -> float:
     return best
 
 
-def _run(model: LlamaModel, cache, make_chunks, steps: int) -> tuple[float, dict]:
+def _run(model: DecoderModel, cache, make_chunks, steps: int) -> tuple[float, dict]:
     """(best step wall seconds without the profiler, {label: seconds per step} with it).
     The parts are those of the layer-by-layer forward: a model whose layers run
     in one C call (kernels/layer_runner.py) is timed that way too
@@ -166,7 +166,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = auto_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     checkpoint = load_checkpoint(args.model, dtype=dtype)
-    model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=args.invariant)
+    model = DecoderModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=args.invariant)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     pool = BlockPool(max(ROWS) * (CONTEXT + 4 * args.steps) // BLOCK + 2 * PROMPT // BLOCK + 64, BLOCK)

@@ -1,6 +1,6 @@
 """The engine end to end on the tiny random Llama (fp32): the real scheduler,
 worker and sampler actors, no mocks. Faults are injected only through a
-`model=` wrapper that delegates to the real LlamaModel.
+`model=` wrapper that delegates to the real DecoderModel.
 
 What is checked: concurrent requests equal their solo runs; cancellation
 (before admission, between prefill chunks, mid-decode, plain `break`) frees
@@ -29,7 +29,7 @@ from trioserve.config import EngineConfig
 from trioserve.engine import Engine, open_engine
 from trioserve.errors import EngineClosed, EngineDead, QueueFull, RequestError, RequestTooLarge
 from trioserve.models.checkpoint import Checkpoint, load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.types import SEED_LIMIT, SamplingParams
 from trioserve.state.kv_pool import blocks_needed
 
@@ -148,12 +148,12 @@ class Watcher:
 
 
 class WrappedModel:
-    """The real LlamaModel behind a thin wrapper that records each step's
+    """The real DecoderModel behind a thin wrapper that records each step's
     layout, can hold the first step until ``gate`` is set, and can fail one
     chosen forward call: "refuse" raises StepRefused before the real forward
     runs; "half" runs the real forward (the cache is written) and then raises."""
 
-    def __init__(self, inner: LlamaModel, *, fail_call: int | None = None, mode: str | None = None, gate: threading.Event | None = None):
+    def __init__(self, inner: DecoderModel, *, fail_call: int | None = None, mode: str | None = None, gate: threading.Event | None = None):
         self.inner = inner
         self.fail_call = fail_call
         self.mode = mode
@@ -216,7 +216,7 @@ class WrappedModel:
 
 
 def test_kv_bytes_per_token_is_what_the_configs_assume(ckpt):
-    assert LlamaModel.from_checkpoint(ckpt).kv_bytes_per_token() == KV_BYTES_PER_TOKEN
+    assert DecoderModel.from_checkpoint(ckpt).kv_bytes_per_token() == KV_BYTES_PER_TOKEN
 
 
 # -- 1. concurrency equals solo -----------------------------------------------
@@ -246,7 +246,7 @@ async def test_sixteen_concurrent_requests_equal_their_solo_runs(ckpt):
     requests = sixteen_requests(ckpt.tokenizer.vocab_size)
     with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True))
+        model = WrappedModel(DecoderModel.from_checkpoint(ckpt, batch_invariant=True))
         together: dict[int, Outcome] = {}
         async with open_engine(config(max_num_seqs=6, prefill_budget=24), checkpoint=ckpt, model=model) as engine:
 
@@ -515,7 +515,7 @@ async def test_admission_never_over_commits_the_pool(ckpt):
     assert {reserve(r) for r in requests} == {3}
     with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True))
+        model = WrappedModel(DecoderModel.from_checkpoint(ckpt, batch_invariant=True))
         async with open_engine(config(blocks=9, max_num_seqs=6), checkpoint=ckpt, model=model) as engine:
             watcher = Watcher(engine)
             results: dict[int, Outcome] = {}
@@ -790,7 +790,7 @@ async def test_refused_step_fails_only_its_rows(ckpt):
     with trio.fail_after(HANG_S):
         solo = await solo_runs(ckpt, requests)
         gate = threading.Event()
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=2, mode="refuse", gate=gate)
+        model = WrappedModel(DecoderModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=2, mode="refuse", gate=gate)
         results: dict[int, Outcome] = {}
         async with open_engine(config(max_num_seqs=3, prefill_budget=24), checkpoint=ckpt, model=model) as engine:
             async with trio.open_nursery() as nursery:
@@ -822,7 +822,7 @@ async def test_half_applied_step_kills_the_engine(ckpt):
     with trio.fail_after(HANG_S):
         requests = fault_requests(ckpt.tokenizer.vocab_size)
         gate = threading.Event()
-        model = WrappedModel(LlamaModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=3, mode="half", gate=gate)
+        model = WrappedModel(DecoderModel.from_checkpoint(ckpt, batch_invariant=True), fail_call=3, mode="half", gate=gate)
         results: dict[int, Outcome] = {}
         async with open_engine(config(max_num_seqs=2), checkpoint=ckpt, model=model) as engine:
             async with trio.open_nursery() as nursery:

@@ -13,7 +13,7 @@ from trioserve.kernels import native
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.detokenizer import IncrementalDetokenizer
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.state.kv_pool import BlockPool
 from trioserve.types import FinalEvent, GenerateRequest, SamplingParams
@@ -30,7 +30,7 @@ def checkpoint():
 @pytest.fixture(scope="module", params=[True, False], ids=["batch-invariant", "batch-dependent"])
 def smollm2(checkpoint, request):
     """The model in the server's default arithmetic and in --no-batch-invariant's."""
-    model = LlamaModel.from_checkpoint(checkpoint, batch_invariant=request.param)
+    model = DecoderModel.from_checkpoint(checkpoint, batch_invariant=request.param)
     tok = checkpoint.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
     return model, tok, template
@@ -110,7 +110,7 @@ def test_int8_activations_still_name_paris_and_keep_batch_invariance(checkpoint)
     """`--activations int8` on the real model: the greedy answer still names
     Paris, and two conversations decoded together give what each gives
     alone (the kernel computes a row from that row alone)."""
-    model = LlamaModel.from_checkpoint(checkpoint, batch_invariant=True, activations="int8")
+    model = DecoderModel.from_checkpoint(checkpoint, batch_invariant=True, activations="int8")
     assert model.layers[0].qkv.native.q8
     tok = checkpoint.tokenizer
     template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)

@@ -34,7 +34,7 @@ from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype
 from trioserve.models.checkpoint import Checkpoint, Progress, checkpoint_digest, load_checkpoint
 from trioserve.models.compute import compute_card, cpu_class
 from trioserve.models.guided import GuideCompiler
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.sampling import new_seed
 from trioserve.models.step_runner import StepRunner, thread_governor
 from trioserve.models.tokenizer import Tokenizer
@@ -139,7 +139,7 @@ class AdapterSlots:
     """The LoRA adapters resident in an engine's model, put there and taken
     out on its device thread, between steps (the model reads them there)."""
 
-    def __init__(self, model: LlamaModel, device: DeviceThread, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, device: DeviceThread, config: EngineConfig) -> None:
         self._model = model
         self._device = device
         self.max_rank = config.max_lora_rank
@@ -305,7 +305,7 @@ async def open_engine(
     config: EngineConfig,
     *,
     checkpoint: Checkpoint | None = None,
-    model: LlamaModel | None = None,
+    model: DecoderModel | None = None,
     progress: Progress | None = None,
     build_progress: Progress | None = None,
 ) -> AsyncIterator[Engine]:
@@ -322,7 +322,7 @@ async def open_engine(
             checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype, config.device), progress=progress))
         if model is None:
             model = await device.run(
-                lambda: LlamaModel.from_checkpoint(
+                lambda: DecoderModel.from_checkpoint(
                     checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
                     kernels=config.kernels, activations=config.activations, kv_dtype=resolve_kv_dtype(config.kv_cache_dtype),
                     progress=build_progress, max_model_len=config.max_model_len,  # RoPE tables for what is served, not what the file says
@@ -338,7 +338,7 @@ async def open_engine(
 
 
 @contextlib.asynccontextmanager
-async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: LlamaModel, device: DeviceThread) -> AsyncIterator[Engine]:
+async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: DecoderModel, device: DeviceThread) -> AsyncIterator[Engine]:
     max_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
     budget = await device.run(kv_budget, config.kv_cache_bytes, model.device)
     num_blocks = blocks_for_budget(budget, model.kv_bytes_per_token(), config.block_size)
@@ -434,7 +434,7 @@ class _Started:
         self._on_started(value)
 
 
-def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, model: LlamaModel) -> TraceWriter:
+def _open_trace(config: EngineConfig, checkpoint: Checkpoint, settings: CoreSettings, model: DecoderModel) -> TraceWriter:
     """A new trace file in config.record_dir, its header written (blocking:
     hashes the checkpoint), with the CPU class it runs on (`cpu_class`) and
     the activations the model runs (a model handed to the engine may not

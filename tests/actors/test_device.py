@@ -14,7 +14,7 @@ from trioserve.actors.device import open_device_thread, release_openmp_threads
 from trioserve.config import EngineConfig
 from trioserve.engine import open_engine
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.types import GenerateRequest, SamplingParams
 
 
@@ -58,7 +58,7 @@ async def test_the_engine_runs_forward_and_sampling_on_its_device_thread(tiny_ch
     ckpt = load_checkpoint(tiny_checkpoints["gguf_f32"], dtype=torch.float32)
     seen: dict[str, set[int]] = {"forward": set(), "sample": set()}
 
-    class Watched(LlamaModel):
+    class Watched(DecoderModel):
         def forward(self, batch, cache):
             seen["forward"].add(threading.get_ident())
             return super().forward(batch, cache)

@@ -31,7 +31,7 @@ import trioserve.models.step_runner as step_runner
 from tests.http.conftest import MODEL_NAME, assert_error, kv_bytes, make_settings, read_sse, start_server
 from tests.tiny_model import tiny_weights, train_tiny_tokenizer, write_gguf
 from trioserve.actors.worker import HeapTrimmer
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 
 TIMEOUT = 60
 KEY = "admin-secret"
@@ -90,14 +90,14 @@ def fault(request, monkeypatch) -> Fault:
 
         monkeypatch.setattr(step_runner, "build_step", build_step)
     elif fault.where == "forward":
-        real_forward = LlamaModel.forward
+        real_forward = DecoderModel.forward
 
         def forward(self, batch, cache):
             if not self.batch_invariant:
                 fault.hit()
             return real_forward(self, batch, cache)
 
-        monkeypatch.setattr(LlamaModel, "forward", forward)
+        monkeypatch.setattr(DecoderModel, "forward", forward)
     else:  # the worker actor asks its heap trimmer after every step it ran
         real_due = HeapTrimmer.due
 

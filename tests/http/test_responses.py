@@ -393,9 +393,9 @@ async def test_a_fault_mid_stream_ends_in_response_failed_and_keeps_nothing(serv
     """The model faults (here: its forward pass raises on the fourth step,
     as a device error would): the stream ends with a well-formed
     response.failed whose error says why, and nothing is stored."""
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
 
-    real, calls = LlamaModel.forward, []
+    real, calls = DecoderModel.forward, []
 
     def faulty(self, batch, cache):
         calls.append(1)
@@ -403,7 +403,7 @@ async def test_a_fault_mid_stream_ends_in_response_failed_and_keeps_nothing(serv
             raise RuntimeError("the device fell over")
         return real(self, batch, cache)
 
-    monkeypatch.setattr(LlamaModel, "forward", faulty)
+    monkeypatch.setattr(DecoderModel, "forward", faulty)
     body = {"model": MODEL_NAME, "input": "Tell me a story.", "max_output_tokens": 50, "ignore_eos": True, "stream": True}
     with trio.fail_after(30):
         async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:

@@ -125,14 +125,14 @@ def test_bf16_rows_with_a_float32_pool_are_refused():
 @at_levels()
 def test_a_float32_model_with_a_bf16_pool_agrees_with_its_torch_path_and_its_float32_pool(level, tiny_checkpoints):
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
 
     if not native.int4_q8_supported(16, 32):
         pytest.skip("no int8-activation C kernel here (AVX2 or AVX-512 VNNI): the two paths would take different activations")
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32)
-    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8", kv_dtype=torch.bfloat16)
-    slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels="reference", activations="int8", kv_dtype=torch.bfloat16)
-    wide = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8")
+    fast = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8", kv_dtype=torch.bfloat16)
+    slow = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, kernels="reference", activations="int8", kv_dtype=torch.bfloat16)
+    wide = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8")
     assert fast.kv_dtype == slow.kv_dtype == torch.bfloat16 and wide.kv_dtype == torch.float32
     assert fast.kv_bytes_per_token() * 2 == wide.kv_bytes_per_token()
     caches = {m: m.new_kv_cache(4, 4) for m in (fast, slow, wide)}
@@ -150,11 +150,11 @@ def test_a_float32_model_with_a_bf16_pool_agrees_with_its_torch_path_and_its_flo
 
 def test_a_bf16_pool_is_refused_where_it_cannot_run(tiny_checkpoints):
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
 
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"--kv-cache-dtype float32: the weights are bfloat16 on cpu; only float32 weights"):
-        LlamaModel.from_checkpoint(ckpt, kv_dtype=torch.float32)
+        DecoderModel.from_checkpoint(ckpt, kv_dtype=torch.float32)
 
 
 def test_served_with_a_bf16_pool_says_so_and_answers(tiny_checkpoints):

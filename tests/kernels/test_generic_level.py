@@ -179,11 +179,11 @@ import sys
 import torch
 from trioserve.kernels import native
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 def run(path, out):
-    model = LlamaModel.from_checkpoint(load_checkpoint(path, dtype=torch.float32), batch_invariant=True, kernels="auto", activations="int8")
+    model = DecoderModel.from_checkpoint(load_checkpoint(path, dtype=torch.float32), batch_invariant=True, kernels="auto", activations="int8")
     assert model.kernels.name == "native" and model.kernels.activations == "int8", (model.kernels.name, model.kernels.activations)
     prompts = [[5, 9, 33, 7, 2, 8, 11, 4, 17], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [40, 2]]
     block, per_seq = 4, 8

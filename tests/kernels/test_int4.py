@@ -13,7 +13,7 @@ from trioserve.kernels import native
 from trioserve.kernels.int4 import concat_rows, parts_from_gguf
 from trioserve.kernels.projection import Int8Rows, Projection
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 Q = gguf.GGMLQuantizationType
@@ -135,13 +135,13 @@ def test_a_model_with_int4_weights_has_a_quantized_head(tiny_checkpoints, dtype,
     Greedy picks match the dense model's and the logits stay close. Without
     an int8-activation C kernel (no C compiler) int8 runs on the torch twin."""
     kernels = "reference" if activations == "int8" and not native.int4_q8_supported(16, 32) else "auto"
-    quantized = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype), activations=activations, kernels=kernels)
+    quantized = DecoderModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype), activations=activations, kernels=kernels)
     assert quantized.layers[0].qkv.packed is not None or quantized.layers[0].qkv.q8_twin is not None
     if activations == "int8":
         assert quantized.head_codes.kind == "4-bit" and quantized.head_int8 is None and quantized.lm_head.is_meta
     else:
         assert quantized.head_int8 is not None and quantized.head_codes is None
-    dense = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32), use_int4=False)
+    dense = DecoderModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32), use_int4=False)
     assert dense.head_int8 is None and dense.head_codes is None
     step = build_step([SeqChunk([3], 4, [2, 3], decode=True), SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4)
     a = quantized.forward(step, quantized.new_kv_cache(4, 4))
@@ -155,8 +155,8 @@ def test_bf16_model_with_int4_weights_matches_without(tiny_checkpoints):
     """The int4 path is a faster way to multiply by the same weights: the
     logits of a decode-sized step agree with the bf16-only model's."""
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
-    with_int4 = LlamaModel.from_checkpoint(ckpt)
-    without = LlamaModel.from_checkpoint(ckpt, use_int4=False)
+    with_int4 = DecoderModel.from_checkpoint(ckpt)
+    without = DecoderModel.from_checkpoint(ckpt, use_int4=False)
     assert with_int4.layers[0].qkv.packed is not None and without.layers[0].qkv.packed is None
     step = build_step([SeqChunk([3], 4, [2, 3], decode=True), SeqChunk([5, 9, 33, 7], 0, [0, 1])], 4)
     assert step.num_decode == 1

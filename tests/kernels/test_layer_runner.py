@@ -20,7 +20,7 @@ from tests.tiny_model import tiny_weights, write_gguf
 from tests.tiny_tokenizer import train_tiny_tokenizer
 from trioserve.kernels import native_build
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 Q = gguf.GGMLQuantizationType
@@ -59,8 +59,8 @@ def _steps() -> list:
 @pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)], ids=["f32", "bf16", "f32-bf16pool"])
 def test_the_runner_gives_the_layer_by_layer_bits(level, files, file, dtype, kv_dtype):
     ckpt = load_checkpoint(files[file], dtype=dtype)
-    one_call = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8", kv_dtype=kv_dtype)
-    per_call = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8", kv_dtype=kv_dtype)
+    one_call = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8", kv_dtype=kv_dtype)
+    per_call = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8", kv_dtype=kv_dtype)
     assert one_call.runner is not None, "every call of this model is a C kernel: the runner should take it"
     per_call.runner = None
     caches = {m: m.new_kv_cache(16, BLOCK) for m in (one_call, per_call)}
@@ -80,7 +80,7 @@ def test_the_runner_gives_the_layer_by_layer_bits(level, files, file, dtype, kv_
 
 def test_the_stacked_projection_of_a_mixed_file_runs_in_parts(level, files):
     """q and k in Q4_K, v in Q5_1: the runner describes the fused qkv as two parts side by side."""
-    model = LlamaModel.from_checkpoint(load_checkpoint(files["q4_k_m-like"], dtype=torch.float32), batch_invariant=True, activations="int8")
+    model = DecoderModel.from_checkpoint(load_checkpoint(files["q4_k_m-like"], dtype=torch.float32), batch_invariant=True, activations="int8")
     layer = model.runner._layers[0]
     assert layer.qkv.parts == 2 and layer.qkv.n == layer.qkv.part[0].n + layer.qkv.part[1].n
     assert (layer.o.parts, layer.gate_up.parts, layer.down.parts) == (1, 1, 1)
@@ -98,14 +98,14 @@ def test_the_stacked_projection_of_a_mixed_file_runs_in_parts(level, files):
 def test_no_runner_where_some_call_is_not_a_c_kernel(files, options, why):
     if native_build.library() is None:
         pytest.skip("no C kernels here (no C compiler, or TRIOSERVE_NATIVE_KERNELS=0)")
-    model = LlamaModel.from_checkpoint(load_checkpoint(files["q4_0"], dtype=torch.float32), batch_invariant=True, **options)
+    model = DecoderModel.from_checkpoint(load_checkpoint(files["q4_0"], dtype=torch.float32), batch_invariant=True, **options)
     assert model.runner is None, why
     logits = model.forward(_steps()[0], model.new_kv_cache(16, BLOCK))  # and it runs layer by layer
     assert logits.shape[0] == 1 and torch.isfinite(logits).all()
 
 
 def test_a_slot_outside_the_pool_is_refused_with_the_per_call_words(level, files):
-    model = LlamaModel.from_checkpoint(load_checkpoint(files["q4_0"], dtype=torch.float32), batch_invariant=True, activations="int8")
+    model = DecoderModel.from_checkpoint(load_checkpoint(files["q4_0"], dtype=torch.float32), batch_invariant=True, activations="int8")
     assert model.runner is not None
     step = build_step([SeqChunk([5, 6, 7], 0, [40])], BLOCK, fixed=True)  # block 40 of a 16-block pool
     with pytest.raises(RuntimeError, match="rope_write_kv failed with code 3: a position or slot is out of range"):

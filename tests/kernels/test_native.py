@@ -359,14 +359,14 @@ def test_the_model_runs_the_native_kernels_and_agrees_with_the_torch_path(tiny_c
     activations the generated tokens' 4-bit rows go through the C VNNI
     kernel in one and its torch twin in the other."""
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
 
     if activations == "int8" and not native.int4_q8_supported(16, 32):
         pytest.skip("no int8-activation C kernel here: no C compiler (the twin alone is tested in test_native_q8.py)")
     for dtype in (torch.float32, torch.bfloat16):
         ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
-        fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations=activations)
-        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels="reference", activations=activations)
+        fast = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations=activations)
+        slow = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, kernels="reference", activations=activations)
         assert fast.kernels.name == "native" and fast.kernels.reads_in_place
         assert slow.kernels.name == "reference"
         assert fast.kernels.activations == slow.kernels.activations == activations

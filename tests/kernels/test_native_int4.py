@@ -136,16 +136,16 @@ def test_the_tiny_model_decodes_the_same_tokens_through_either_int4_path(tiny_ch
     them off (torch's int4 op and the torch twins): close logits, the same
     greedy picks."""
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
     from trioserve.models.step import SeqChunk, build_step
 
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
-    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")  # the two bf16-activation paths
+    fast = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")  # the two bf16-activation paths
     assert all(p.native is not None for p in (fast.layers[0].qkv, fast.layers[0].o, fast.layers[0].gate_up, fast.layers[0].down))
     monkeypatch.setenv(native_build.DISABLE_ENV, "0")
     native_build.library_at.cache_clear()
     try:
-        slow = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
+        slow = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
     finally:
         monkeypatch.delenv(native_build.DISABLE_ENV)
         native_build.library_at.cache_clear()

@@ -372,17 +372,17 @@ def test_auto_is_int8_for_a_model_with_4bit_codes_where_the_kernel_runs_and_bf16
     kernels (and any trace of it, /metrics, the sharing of generated K/V)
     say bf16, even when int8 was asked for, with a warning then."""
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
 
     here = "int8" if native.int4_q8_supported(16, 32) else "bf16"
-    q4 = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16))
+    q4 = DecoderModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16))
     assert q4.kernels.activations == here
-    dense = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["hf"]), dtype=torch.bfloat16))
+    dense = DecoderModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["hf"]), dtype=torch.bfloat16))
     assert dense.kernels.activations == "bf16"
-    no_int4 = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16), use_int4=False)
+    no_int4 = DecoderModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["gguf_q4_1"]), dtype=torch.bfloat16), use_int4=False)
     assert no_int4.kernels.activations == "bf16"
     assert not [r for r in caplog.records if "no 4-bit weights" in r.getMessage()]
-    asked = LlamaModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["hf"]), dtype=torch.bfloat16), activations="int8")
+    asked = DecoderModel.from_checkpoint(load_checkpoint(str(tiny_checkpoints["hf"]), dtype=torch.bfloat16), activations="int8")
     assert asked.kernels.activations == "bf16"
     assert [r.getMessage() for r in caplog.records if "no 4-bit weights" in r.getMessage()] == [
         "--activations int8: this model has no 4-bit weights to take 8-bit inputs; it runs bf16"

@@ -11,7 +11,7 @@ from trioserve.models.step_runner import thread_governor
 from trioserve.kernels import native
 from trioserve.kernels.cpu import ThreadGovernor
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 
@@ -58,7 +58,7 @@ def test_the_int8_c_kernels_give_a_step_the_same_bits_on_any_thread_count(tiny_c
     if not native.int4_q8_supported(16, 32):  # the model would refuse int8 activations
         pytest.skip("no C kernels with int8 activations here (no AVX2, AVX-512 VNNI or NEON dotprod, or no C compiler)")
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32)
-    model = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8")
+    model = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="int8")
     assert model.kernels.thread_invariant
     before = torch.get_num_threads()
     try:
@@ -75,7 +75,7 @@ def test_the_int8_c_kernels_give_a_step_the_same_bits_on_any_thread_count(tiny_c
         assert all(torch.equal(a, b) for a, b in zip(out[2], out[1], strict=True))
     finally:
         torch.set_num_threads(before)
-    reference = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
+    reference = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, activations="bf16")
     assert not reference.kernels.thread_invariant and thread_governor(reference) is None
 
 

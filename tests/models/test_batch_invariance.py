@@ -67,7 +67,7 @@ from hypothesis import strategies as st
 
 from trioserve.kernels import native
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import KVCache, LlamaModel
+from trioserve.models.decoder import DecoderModel, KVCache
 from trioserve.models.step import SeqChunk, build_step
 
 BLOCK = 16  # the server's default block size
@@ -81,15 +81,15 @@ DECODE_STEPS = 4
 # models
 
 
-def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool, activations: str = "auto") -> LlamaModel:
+def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool, activations: str = "auto") -> DecoderModel:
     if kind == "bf16":
         checkpoint = load_checkpoint(tiny_checkpoints["hf"], dtype=torch.bfloat16)
-        model = LlamaModel.from_checkpoint(checkpoint, use_int4=False, batch_invariant=batch_invariant)
+        model = DecoderModel.from_checkpoint(checkpoint, use_int4=False, batch_invariant=batch_invariant)
         assert all(layer.qkv.packed is None for layer in model.layers)
     else:
         dtype = torch.float32 if kind == "q4_1_f32" else torch.bfloat16
         checkpoint = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=dtype)
-        model = LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=batch_invariant, activations=activations)
+        model = DecoderModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=batch_invariant, activations=activations)
         # the served path: every projection has its 4-bit copy
         for layer in model.layers:
             assert all(p.packed is not None for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -101,11 +101,11 @@ def _load(tiny_checkpoints, kind: str, *, batch_invariant: bool, activations: st
 
 
 @pytest.fixture(scope="module")
-def models(tiny_checkpoints) -> dict[str, LlamaModel]:
+def models(tiny_checkpoints) -> dict[str, DecoderModel]:
     return {kind: _load(tiny_checkpoints, kind, batch_invariant=True) for kind in ("bf16", "q4_1", "q4_1_f32")}
 
 
-def garbage_cache(model: LlamaModel, seed: int) -> KVCache:
+def garbage_cache(model: DecoderModel, seed: int) -> KVCache:
     """A cache full of random values: a slot read that should not be, or a
     masked one whose value leaks, changes the logits."""
     cache = model.new_kv_cache(NUM_BLOCKS, BLOCK)
@@ -144,7 +144,7 @@ class Seq:
         return SeqChunk(self.ids[self.done : end], self.done, self.table[: -(-end // BLOCK)], decode=self.decoding)
 
 
-def run_step(model: LlamaModel, cache: KVCache, rows: list[tuple[Seq, int]], rng: random.Random, fixed: bool):
+def run_step(model: DecoderModel, cache: KVCache, rows: list[tuple[Seq, int]], rng: random.Random, fixed: bool):
     """One step of ``rows`` (sequence, tokens wanted): decode rows first,
     each group in random order. Advances every sequence; returns the logits
     by sequence id."""
@@ -163,7 +163,7 @@ def run_step(model: LlamaModel, cache: KVCache, rows: list[tuple[Seq, int]], rng
     return out
 
 
-def run_alone(model: LlamaModel, prompt: list[int], *, fixed: bool = True, decode_steps: int = DECODE_STEPS):
+def run_alone(model: DecoderModel, prompt: list[int], *, fixed: bool = True, decode_steps: int = DECODE_STEPS):
     """The target by itself: the whole prompt in one chunk, then greedy
     decode rows. Returns (its logits at every step, the decoded tokens)."""
     cache = garbage_cache(model, seed=1)
@@ -197,7 +197,7 @@ class Plan:
     seed: int  # token ids, block ids, cache garbage, row order
 
 
-def run_crowded(model: LlamaModel, prompt: list[int], decoded: list[int], plan: Plan, *, fixed: bool = True):
+def run_crowded(model: DecoderModel, prompt: list[int], decoded: list[int], plan: Plan, *, fixed: bool = True):
     """The target in the crowded timeline of ``plan``, feeding the alone run's
     decoded tokens. Returns its logits at its last prefill step and at every
     decode step."""
@@ -320,7 +320,7 @@ def kv_of(cache: KVCache, table: list[int], n: int) -> tuple[torch.Tensor, torch
     return cache.k.reshape(flat)[:, :, index], cache.v.reshape(flat)[:, :, index]
 
 
-def decoded_vs_prefilled(model: LlamaModel, prompt: list[int], half: int, nxt: int, seed: int, *, fixed: bool = True):
+def decoded_vs_prefilled(model: DecoderModel, prompt: list[int], half: int, nxt: int, seed: int, *, fixed: bool = True):
     """The prompt prefilled whole, then ``nxt`` decoded; vs its first ``half``
     tokens prefilled and the rest fed one at a time as decode rows, then
     ``nxt``. Returns whether (their K/V of the prompt, the logits after the

@@ -13,7 +13,7 @@ import torch
 
 from tests.tiny_model import TINY, hf_config, tiny_weights
 from trioserve.models.config import config_from_hf
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 VOCAB = 360
@@ -72,11 +72,11 @@ def tiny(request):
     tie = request.param
     weights = tiny_weights(VOCAB, seed=3, tie=tie)
     config = config_from_hf(hf_config(VOCAB, tie=tie), "tiny")
-    model = LlamaModel(config, {k: torch.from_numpy(v) for k, v in weights.items()})
+    model = DecoderModel(config, {k: torch.from_numpy(v) for k, v in weights.items()})
     return weights, model
 
 
-def run_paged(model: LlamaModel, prompts: list[list[int]], seed: int, chunk: int = CHUNK) -> tuple[list[list[int]], list[list[tuple[int, np.ndarray]]]]:
+def run_paged(model: DecoderModel, prompts: list[list[int]], seed: int, chunk: int = CHUNK) -> tuple[list[list[int]], list[list[tuple[int, np.ndarray]]]]:
     """Prefill in chunks of ``chunk`` and decode DECODE_STEPS greedy tokens for
     every prompt, all sequences sharing every step. Returns each sequence's
     full token list and the (position, logits) observed for it."""

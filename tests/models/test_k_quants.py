@@ -21,7 +21,7 @@ from trioserve.kernels.projection import Projection, StackedProjection
 from trioserve.kernels.int6 import Int6Pack, Int6Parts, parts_from_gguf6
 from trioserve.kernels.int8w import Int8CodesPack, Int8Parts
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 Q = gguf.GGMLQuantizationType
@@ -129,8 +129,8 @@ def test_a_mixed_type_model_runs_its_codes_and_agrees_with_float32(mixed_gguf, k
     if kernels == "auto" and not native.int4_q8_supported(16, 32):  # the model would refuse int8 activations
         pytest.skip("no int8-activation C kernel here (no C compiler, or no AVX2 / AVX-512 VNNI / NEON dotprod)")
     ckpt = load_checkpoint(mixed_gguf, dtype=torch.float32)
-    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
-    exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
+    fast = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
+    exact = DecoderModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
     layer = fast.layers[0]
     assert isinstance(layer.qkv, StackedProjection) and [p.every_row_8bit for p in layer.qkv.parts] == [True, True]
     assert isinstance(layer.qkv.parts[1].q8_twin if kernels == "reference" else layer.qkv.parts[1].native, (Int6Parts, Int6Pack))

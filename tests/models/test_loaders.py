@@ -25,7 +25,7 @@ from tests.tiny_tokenizer import BOS_ID, EOS_ID, train_tiny_tokenizer
 from trioserve.errors import CheckpointError
 from trioserve.models.checkpoint import Checkpoint, load_checkpoint
 from trioserve.models.gguf_file import open_reader
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 BLOCK_SIZE = 4  # KV cache block size: the prompt spans several blocks
@@ -48,7 +48,7 @@ def loaded(tiny_checkpoints) -> dict[str, Checkpoint]:
 
 def last_logits(config, weights, ids: list[int]) -> torch.Tensor:
     """Logits after prefilling ``ids`` in one chunk, blocks deliberately out of order."""
-    model = LlamaModel(config, weights)
+    model = DecoderModel(config, weights)
     blocks = -(-len(ids) // BLOCK_SIZE)
     cache = model.new_kv_cache(blocks + 1, BLOCK_SIZE)
     table = list(range(blocks, 0, -1))
@@ -284,7 +284,7 @@ def gguf_cut_in_data(tmp, ck, mp):
 
 def gguf_gpt2_architecture(tmp, ck, mp):
     path = _gguf(tmp, "gpt2.gguf", arch="gpt2")
-    return path, path, "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2)"
+    return path, path, "unsupported architecture 'gpt2' (supported: gemma3, llama, mistral, qwen2, qwen3)"
 
 
 def gguf_int32_tensor(tmp, ck, mp):
@@ -362,7 +362,7 @@ def hf_gpt2_model_type(tmp, ck, mp):
     d = _copy(ck["hf"], tmp / "hf")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    return d, d / "config.json", "unsupported model_type 'gpt2' (supported: llama, mistral, qwen2)"
+    return d, d / "config.json", "unsupported model_type 'gpt2' (supported: gemma3_text, llama, mistral, qwen2, qwen3)"
 
 
 def hf_garbage_shard(tmp, ck, mp):

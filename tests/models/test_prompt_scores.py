@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.scoring import score_rows
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.models.step_runner import StepRunner
@@ -24,15 +24,15 @@ LOGPROBS = SamplingParams(max_tokens=1, temperature=0.0, seed=0, logprobs=True, 
 
 
 @pytest.fixture(scope="module", params=["f32", "q4_1"])
-def model(request, tiny_checkpoints) -> LlamaModel:
+def model(request, tiny_checkpoints) -> DecoderModel:
     if request.param == "f32":
         checkpoint = load_checkpoint(tiny_checkpoints["gguf_f32"], dtype=torch.float32)
-        return LlamaModel.from_checkpoint(checkpoint, use_int4=False, batch_invariant=True)
+        return DecoderModel.from_checkpoint(checkpoint, use_int4=False, batch_invariant=True)
     checkpoint = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16)
-    return LlamaModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=True)
+    return DecoderModel.from_checkpoint(checkpoint, use_int4=True, batch_invariant=True)
 
 
-def runner(model: LlamaModel) -> StepRunner:
+def runner(model: DecoderModel) -> StepRunner:
     return StepRunner(model, model.new_kv_cache(40, BLOCK), vocab_size=model.config.vocab_size)
 
 

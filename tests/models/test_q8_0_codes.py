@@ -15,7 +15,7 @@ from trioserve.kernels import native
 from trioserve.kernels.projection import Projection
 from trioserve.kernels.int8w import Int8CodesPack, Int8Parts
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.types import GenerateRequest, SamplingParams, TokenEvent
 
@@ -35,8 +35,8 @@ def test_a_q8_0_model_runs_its_codes_and_agrees_with_float32(tiny_checkpoints, k
     # Every layer matrix and the head as their codes.
     assert set(ckpt.int8) == {n for n in ckpt.weights if n.startswith("model.layers.") and n.endswith("proj.weight")} | {"lm_head.weight"}
     assert not any(ckpt.weights.is_held(n) for n in ckpt.int8)
-    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
-    exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
+    fast = DecoderModel.from_checkpoint(ckpt, batch_invariant=True, kernels=kernels, activations="int8")
+    exact = DecoderModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference", activations="bf16")
     for layer in fast.layers:
         for name in PROJECTIONS:
             p = getattr(layer, name)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import ctypes, gc, json, sys, torch
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
 def settled():
@@ -32,7 +32,7 @@ def settled():
     ctypes.CDLL(None).malloc_trim(0)
     return status("VmRSS:")
 before = settled()
-model = LlamaModel.from_checkpoint(load_checkpoint(sys.argv[1], dtype=torch.float32), batch_invariant=True)
+model = DecoderModel.from_checkpoint(load_checkpoint(sys.argv[1], dtype=torch.float32), batch_invariant=True)
 grew = settled() - before
 print(json.dumps({"grew": grew, "peak": status("VmHWM:") - before, "activations": model.kernels.activations}))
 """

@@ -12,7 +12,7 @@ from tests.tiny_model import TINY, hf_config, tiny_weights
 from trioserve.kernels.ops import Kernels
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.config import config_from_hf
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, bucket, build_step
 
 VOCAB = 300
@@ -70,13 +70,13 @@ def test_bucketed_layout_pads_only_what_is_never_read():
         assert torch.equal(getattr(step, name), getattr(exact, name))
 
 
-def tiny_model(dtype: torch.dtype) -> LlamaModel:
+def tiny_model(dtype: torch.dtype) -> DecoderModel:
     weights = tiny_weights(VOCAB, seed=7)
     config = config_from_hf(hf_config(VOCAB, tie=False), "tiny")
-    return LlamaModel(config, {k: torch.from_numpy(v).to(dtype) for k, v in weights.items()})
+    return DecoderModel(config, {k: torch.from_numpy(v).to(dtype) for k, v in weights.items()})
 
 
-def filled_cache(model: LlamaModel):
+def filled_cache(model: DecoderModel):
     """A cache full of distinct values, so reading a wrong slot shows."""
     cache = model.new_kv_cache(NUM_BLOCKS, BLOCK)
     gen = torch.Generator().manual_seed(1)
@@ -85,7 +85,7 @@ def filled_cache(model: LlamaModel):
     return cache
 
 
-def assert_same_step(model: LlamaModel, chunks: list[SeqChunk]) -> None:
+def assert_same_step(model: DecoderModel, chunks: list[SeqChunk]) -> None:
     padded_cache, exact_cache = filled_cache(model), filled_cache(model)
     padded = model.forward(build_step(chunks, BLOCK), padded_cache)
     exact = model.forward(build_step(chunks, BLOCK, buckets=False), exact_cache)
@@ -107,7 +107,7 @@ def test_bucketed_step_gives_identical_logits(dtype):
 
 def test_bucketed_step_gives_identical_logits_with_int4_weights(tiny_checkpoints):
     """The served configuration: bf16 weights, 4-bit ones for decode rows."""
-    model = LlamaModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16))
+    model = DecoderModel.from_checkpoint(load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.bfloat16))
     assert model.layers[0].qkv.packed is not None
     config_vocab = model.config.vocab_size
     chunks = [SeqChunk([t % config_vocab for t in c.token_ids], c.start, c.block_table, c.decode) for c in mixed_chunks()]

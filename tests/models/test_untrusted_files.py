@@ -30,7 +30,7 @@ from trioserve.errors import CheckpointError
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.config import MAX_CONTEXT
 from trioserve.models.files import MAX_JSON, MAX_TOKENIZER_JSON
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK_S = 10.0  # a refusal takes well under a second; this only bounds a test that would hang
@@ -217,18 +217,18 @@ CHILD = textwrap.dedent(
     import resource, sys
     import torch
     from trioserve.models.checkpoint import load_checkpoint
-    from trioserve.models.llama import LlamaModel
+    from trioserve.models.decoder import DecoderModel
 
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     torch.set_num_threads(1)
     plain, long = sys.argv[1], sys.argv[2]
-    LlamaModel.from_checkpoint(load_checkpoint(plain), max_model_len=8192)
+    DecoderModel.from_checkpoint(load_checkpoint(plain), max_model_len=8192)
     before = peak()
     checkpoint = load_checkpoint(long)
     loaded = peak()
-    model = LlamaModel.from_checkpoint(checkpoint, max_model_len=8192)
+    model = DecoderModel.from_checkpoint(checkpoint, max_model_len=8192)
     print(checkpoint.config.max_position, model.max_positions, loaded - before, peak() - before)
     """
 )
@@ -286,9 +286,9 @@ def test_an_engine_serving_8192_of_a_long_contexts_positions_builds_tables_for_8
 def test_the_rope_tables_follow_the_context_served(tiny_checkpoints):
     checkpoint = load_checkpoint(tiny_checkpoints["gguf_f32"])
     assert checkpoint.config.max_position == 256
-    full = LlamaModel.from_checkpoint(checkpoint)
-    short = LlamaModel.from_checkpoint(checkpoint, max_model_len=100)
-    longer = LlamaModel.from_checkpoint(checkpoint, max_model_len=10_000)
+    full = DecoderModel.from_checkpoint(checkpoint)
+    short = DecoderModel.from_checkpoint(checkpoint, max_model_len=100)
+    longer = DecoderModel.from_checkpoint(checkpoint, max_model_len=10_000)
     assert (full.max_positions, short.max_positions, longer.max_positions) == (256, 100, 256)
     assert torch.equal(short.rope_cos, full.rope_cos[:100]) and torch.equal(short.rope_sin, full.rope_sin[:100])
 

@@ -19,7 +19,7 @@ from trioserve.kernels import native_build
 from trioserve.kernels.projection import Projection
 from trioserve.kernels.w16 import W16Pack
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 from trioserve.types import GenerateRequest, SamplingParams, TokenEvent
 
@@ -47,8 +47,8 @@ def test_sixteen_bit_layers_are_kept_as_such_and_compute_the_float32_models_logi
     head = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
     assert set(ckpt.w16) == layers | head and not any(ckpt.weights.is_held(n) for n in layers | head)
     assert all(ckpt.w16[n].bf16 == (qtype == Q.BF16) for n in layers)
-    fast = LlamaModel.from_checkpoint(ckpt, batch_invariant=True)
-    exact = LlamaModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference")
+    fast = DecoderModel.from_checkpoint(ckpt, batch_invariant=True)
+    exact = DecoderModel.from_checkpoint(ckpt, use_int4=False, batch_invariant=True, kernels="reference")
     for layer in fast.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             p = getattr(layer, name)

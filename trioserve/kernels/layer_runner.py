@@ -1,7 +1,7 @@
 """A step's decoder layers in one C call (`trioserve_run_layers` in
 kernels/csrc/cpu_kernels.c).
 
-models/llama.py `_residual` runs a layer as about nine kernel calls (the
+models/decoder.py `_residual` runs a layer as about nine kernel calls (the
 fused projections, RoPE with the K/V write, attention, the norms, SiLU),
 each through a Python wrapper and ctypes: a few microseconds each, ~1.6 ms
 of a ~10 ms one-sequence decode step of the default model on two cores
@@ -112,12 +112,16 @@ class LayerRunner:
 
     @classmethod
     def for_model(cls, model) -> LayerRunner | None:
-        """The runner for a `LlamaModel` whose every per-layer call would be a
+        """The runner for a `DecoderModel` of plain layers whose every per-layer call would be a
         C kernel (its kernels the native set, attention read in place, every
         projection's rows through the codes or 16-bit kernels, no bias), or
         None (the model then runs layer by layer in Python)."""
         kernels = model.kernels
         if kernels.name != "native" or not kernels.reads_in_place or not model.layers:
+            return None
+        # The C loop runs the plain Llama layer alone (models/family.LayerSpec.plain): any
+        # other layer (q/k norm, sliding window, sandwich norms, GeGLU) runs layer by layer in Python.
+        if not all(spec.plain for spec in getattr(model, "specs", ())) or len(getattr(model, "specs", ())) != len(model.layers):
             return None
         if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
             return None

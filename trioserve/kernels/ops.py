@@ -8,7 +8,7 @@ says how each operation of the forward pass runs on the model's device.
 
 `select_kernels` picks one from ``--kernels`` (auto, reference, triton) and
 the device: auto is triton on CUDA, native on a CPU where the C kernels
-build, reference elsewhere. models/llama.py calls only these methods; it
+build, reference elsewhere. models/decoder.py calls only these methods; it
 imports no implementation itself. Every set has the same methods with the
 same signatures and meanings (each method's docstring in `Kernels`); the
 sets differ in speed and in rounding, never in what they compute."""

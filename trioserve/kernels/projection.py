@@ -101,7 +101,7 @@ class Projection:
             return
         if type(int4) in _CODES_Q8:
             # Codes of up to 6 bits (kernels/int6.py) or signed 8-bit ones (kernels/int8w.py):
-            # int8 activations only (LlamaModel passes them then).
+            # int8 activations only (DecoderModel passes them then).
             if activations != "int8":
                 raise ValueError("6- and 8-bit codes take int8 activations")
             supported, pack, self._codes_kernel, self._codes_twin = _CODES_Q8[type(int4)]

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from trioserve.errors import CheckpointError
+from trioserve.models.family import family_of
 from trioserve.kernels.int4 import Int4Parts
 from trioserve.kernels.int6 import Int6Parts
 from trioserve.kernels.int8w import Int8Parts
@@ -109,6 +110,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, with the shape the config implies
     (torch order: [out, in] for matrices)."""
     c = config
+    family = family_of(c.architecture)
     hidden, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, hidden),
@@ -131,6 +133,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "mlp.down_proj.weight": (hidden, c.intermediate_size),
             }
         )
+        shapes.update({p + name: shape for name, shape in family.extra_layer_shapes(c).items()})
         if c.attention_bias:
             shapes.update(
                 {

@@ -10,10 +10,10 @@ import platform
 
 import torch
 
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 
 
-def compute_card(model: LlamaModel) -> dict[str, object]:
+def compute_card(model: DecoderModel) -> dict[str, object]:
     """How ``model`` computes, for the start-up line, the model card and
     /metrics: device, dtype, kernel set, the instruction sets of the CPU's C
     kernels (null where they do not run), the 4-bit rows' activations, the
@@ -33,7 +33,7 @@ def compute_card(model: LlamaModel) -> dict[str, object]:
     }
 
 
-def weight_card(model: LlamaModel) -> dict[str, object] | None:
+def weight_card(model: DecoderModel) -> dict[str, object] | None:
     """How the model holds its weights: the layer matrices counted by kind
     (`Projection.kind`: 4-, 6- or 8-bit codes, an F16/BF16 file's 16 bits,
     or dense; a fused matrix whose parts differ counts each part), and the
@@ -62,7 +62,7 @@ def describe_compute(card: dict[str, object]) -> str:
     return f"{card['device']}, {card['dtype']}{pool}, {card['kernels']} kernels{isa}, {card['activations']} activations{threads}"
 
 
-def cpu_class(model: LlamaModel) -> dict[str, object]:
+def cpu_class(model: DecoderModel) -> dict[str, object]:
     """What a model's bits may depend on besides its settings, for a trace's
     header: the machine's architecture, torch's CPU capability (the vector
     width of its own operations), the C kernels' instruction sets, and how

@@ -1,5 +1,8 @@
-"""ModelConfig: the shape of a Llama-family decoder, read from GGUF metadata
-or a Hugging Face config.json. Plain data; no torch."""
+"""ModelConfig: the shape of a decoder of any family (models/family.py),
+read from GGUF metadata or a Hugging Face config.json: the settings every
+family has, and the ones some families add (a sliding window, a local RoPE
+base, query and embedding scales, logit soft-capping), each read by the
+family's own settings function. Plain data; no torch."""
 
 from __future__ import annotations
 
@@ -12,10 +15,7 @@ import attrs
 
 from trioserve.errors import CheckpointError
 
-# GGUF `general.architecture` and HF `model_type` values we can run, mapped to
-# whether their attention projections carry biases.
-GGUF_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
-HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}
+from trioserve.models.family import Reader, family_for_gguf, family_for_hf, supported_gguf, supported_hf
 
 
 @attrs.frozen
@@ -65,6 +65,13 @@ class ModelConfig:
     tie_embeddings: bool
     attention_bias: bool = False
     rope_scaling: RopeScaling = RopeScaling()
+    # What some families add (models/family.py); the defaults are a Llama's.
+    sliding_window: int | None = None  # the window of a family's sliding-window layers
+    rope_local_theta: float | None = None  # the RoPE base of a family's local (sliding-window) layers
+    query_scale: float | None = None  # what q.k is multiplied by; None: 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # what the embedding rows are multiplied by (Gemma: sqrt(hidden))
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    layer_types: tuple[str, ...] | None = None  # per layer, "full_attention" or "sliding_attention", where the file lists them
 
     def __attrs_post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position"):
@@ -84,6 +91,25 @@ class ModelConfig:
         if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
             raise BadSetting("rms_eps", f"is {self.rms_eps!r}, not a finite number between 0 and 1")
         _check_scaling(self.rope_scaling)
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise BadSetting("sliding_window", f"is {self.sliding_window!r}, not a whole number of at least 1")
+        for name in ("rope_local_theta",):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 1):
+                raise BadSetting(name, f"is {value!r}, not a finite number greater than 1")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise BadSetting("layer_types", f"lists {len(self.layer_types)} layers, but the model has {self.num_layers}")
+        if self.layer_types is not None and "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise BadSetting("sliding_window", "is not set, but layer_types has sliding-window layers")
+        for name in ("query_scale", "embed_scale", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise BadSetting(name, f"is {value!r}, not a finite number greater than 0")
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     @property
     def kv_bytes_per_token_element(self) -> int:
@@ -140,8 +166,9 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
     is checked (type, range, consistency) before anything is made from it;
     a refusal names the metadata key."""
     arch = _need(meta, "general.architecture", path)
-    if arch not in GGUF_ARCHITECTURES:
-        supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+    family = family_for_gguf(arch)
+    if family is None:
+        supported = ", ".join(supported_gguf())
         raise CheckpointError(path, f"unsupported architecture {arch!r} (supported: {supported})")
     p = f"{arch}."
     keys = {
@@ -156,6 +183,12 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
 
     def number(key: str, default: float) -> float:
         return _number(meta.get(key, default), key, path, "metadata ")
+
+    def flag(key: str, default: bool) -> bool:
+        value = meta.get(key, default)
+        if not isinstance(value, bool):
+            raise CheckpointError(path, f"metadata {key!r} is {value!r}, not true or false")
+        return value
 
     hidden = _positive(whole(p + "embedding_length"), p + "embedding_length", path, "metadata ")
     heads = _positive(whole(p + "attention.head_count"), p + "attention.head_count", path, "metadata ")
@@ -192,9 +225,18 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
         rms_eps=number(p + "attention.layer_norm_rms_epsilon", 1e-5),
         max_position=whole(p + "context_length", 4096),
         tie_embeddings=tie_embeddings,
-        attention_bias=GGUF_ARCHITECTURES[arch],
+        attention_bias=family.attention_bias,
         rope_scaling=scaling,
+        **_family_settings(family.gguf_settings, Reader(whole, number, flag, meta.get, lambda v, k: _number(v, k, path, "metadata "), p), path, "metadata "),
     )
+
+
+def _family_settings(read, reader: Reader, path: Path, where: str) -> dict[str, Any]:
+    """A family's own settings (models/family.py), or CheckpointError."""
+    try:
+        return dict(read(reader))
+    except BadSetting as exc:
+        raise CheckpointError(path, f"{where}{reader.prefix}{exc.field!r} {exc.problem}") from None
 
 
 def _build(path: Path, keys: Mapping[str, str], where: str, **fields: Any) -> ModelConfig:
@@ -222,8 +264,9 @@ def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:
     """Build the config from a parsed Hugging Face config.json, every value
     checked as `config_from_gguf` checks; a refusal names the key."""
     model_type = raw.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        supported = ", ".join(sorted(HF_MODEL_TYPES))
+    family = family_for_hf(model_type)
+    if family is None:
+        supported = ", ".join(supported_hf())
         raise CheckpointError(path, f"unsupported model_type {model_type!r} (supported: {supported})")
 
     def need(key: str) -> Any:
@@ -239,10 +282,17 @@ def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         value = raw.get(key)
         return _number(default if value is None else value, key, path, "")
 
+    def flag(key: str, default: bool) -> bool:
+        value = raw.get(key)
+        value = default if value is None else value
+        if not isinstance(value, bool):
+            raise CheckpointError(path, f"{key!r} is {value!r}, not true or false")
+        return value
+
     hidden = _positive(whole("hidden_size"), "hidden_size", path, "")
     heads = _positive(whole("num_attention_heads"), "num_attention_heads", path, "")
     tie = raw.get("tie_word_embeddings", False)
-    bias = raw.get("attention_bias", HF_MODEL_TYPES[model_type])
+    bias = raw.get("attention_bias", family.attention_bias)
     for key, value in (("tie_word_embeddings", tie), ("attention_bias", bias)):
         if not isinstance(value, bool):
             raise CheckpointError(path, f"{key!r} is {value!r}, not true or false")
@@ -258,17 +308,42 @@ def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=whole("num_key_value_heads", heads),
         head_dim=whole("head_dim", hidden // heads),
-        rope_theta=number("rope_theta", 10000.0),
+        rope_theta=_hf_rope_theta(raw, path),
         rms_eps=number("rms_norm_eps", 1e-6),
         max_position=whole("max_position_embeddings", 4096),
         tie_embeddings=tie,
         attention_bias=bias,
-        rope_scaling=_hf_rope_scaling(raw.get("rope_scaling"), path),
+        rope_scaling=_hf_rope_scaling(_rope_parameters(raw), path),
+        **_family_settings(family.hf_settings, Reader(whole, number, flag, raw.get, lambda v, k: _number(v, k, path, ""), ""), path, ""),
     )
+
+
+def _rope_parameters(raw: Mapping[str, Any], layer_type: str = "full_attention") -> Any:
+    """config.json's RoPE settings: ``rope_scaling``, or the ``rope_parameters``
+    transformers 5 writes (its base as ``rope_theta``, "default" for no
+    scaling; one entry per layer type where they differ, as Gemma 3's:
+    ``layer_type``'s entry then). {} where there are none."""
+    value = raw.get("rope_scaling")
+    if value is None:
+        value = raw.get("rope_parameters")
+    if isinstance(value, Mapping) and isinstance(value.get(layer_type), Mapping):
+        value = value[layer_type]
+    return value if isinstance(value, Mapping) or value is not None else {}
+
+
+def _hf_rope_theta(raw: Mapping[str, Any], path: Path, layer_type: str = "full_attention") -> float:
+    """The RoPE base: ``rope_theta``, or transformers 5's in ``rope_parameters``."""
+    if raw.get("rope_theta") is not None:
+        return _number(raw["rope_theta"], "rope_theta", path, "")
+    params = _rope_parameters(raw, layer_type)
+    value = params.get("rope_theta") if isinstance(params, Mapping) else None
+    return 10000.0 if value is None else _number(value, "rope_parameters.rope_theta", path, "")
 
 
 def _hf_rope_scaling(raw: Any, path: Path) -> RopeScaling:
     if not raw:
+        return RopeScaling()
+    if isinstance(raw, Mapping) and set(raw) <= {"rope_theta", "rope_type", "type"} and raw.get("rope_type", raw.get("type")) in (None, "default"):
         return RopeScaling()
     if not isinstance(raw, Mapping):
         raise CheckpointError(path, f"'rope_scaling' is {raw!r}, not an object")

@@ -20,6 +20,7 @@ from trioserve.kernels.int8w import Q8Rows
 from trioserve.kernels.w16 import W16_TYPES, W16Rows, check_finite16
 from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete, check_layers, check_vocabulary
 from trioserve.models.config import ModelConfig, config_from_gguf
+from trioserve.models.family import Family, family_for_gguf, family_of
 from trioserve.models.gguf_file import metadata, open_reader
 from trioserve.models.gguf_header import GGUFFile, GGUFTensor
 from trioserve.models.tokenizer import Tokenizer
@@ -52,28 +53,33 @@ _LAYER = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-# Architectures whose converter interleaves the rotary halves of Q and K.
-_PERMUTED = {"llama", "mistral"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _layer_names(family: Family | None) -> dict[str, str]:
+    """GGUF per-layer name -> HF name: the common set, with the family's own
+    names (models/family.Family.gguf_layer_tensors) added or overriding."""
+    return {**_LAYER, **(family.gguf_layer_tensors if family is not None else {})}
+
+
+def hf_name(gguf_name: str, family: Family | None = None) -> str | None:
     """The HF name for a GGUF tensor name, or None for tensors we do not use."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    layer = _layer_names(family)
+    if m and m.group(2) in layer:
+        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"
     return None
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, family: Family | None = None) -> str:
     """The inverse of `hf_name`, for messages about missing tensors."""
     for g, h in _TOP.items():
         if h == name:
             return g
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
-        for g, h in _LAYER.items():
+        for g, h in _layer_names(family).items():
             if h == m.group(2):
                 return f"blk.{m.group(1)}.{g}"
     return name
@@ -92,10 +98,11 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     meta = metadata(reader, path)
     reader.metadata = {}  # the closures below keep the reader for the model's life; the tokenizer is made from ``meta``
     tensors = {}
+    family = family_for_gguf(meta.get("general.architecture"))  # None: config_from_gguf below says so
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             raise CheckpointError(path, f"tensor {t.name!r} uses quantization type {t.tensor_type.name}, which trioserve cannot load")
-        name = hf_name(t.name)
+        name = hf_name(t.name, family)
         if name is not None:
             tensors[name] = t
     if "model.embed_tokens.weight" not in tensors:
@@ -104,7 +111,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
     check_layers(path, config, tensors, key=f"{config.architecture}.block_count")
     shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
-    check_complete(path, config, shapes, spelled=gguf_name)
+    check_complete(path, config, shapes, spelled=functools.partial(gguf_name, family=family))
     _check_rope_freqs_shape(path, config, shapes.get("rope_freqs"))
     tokenizer = _tokenizer(meta, path)
     check_vocabulary(path, config, tokenizer, tokens="tokenizer.ggml.tokens", rows="token_embd.weight")
@@ -148,7 +155,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
             # The head is read whole every step: on a CPU with int8 activations, as the file's
             # codes where the type has a kernel (4-, up to 6- and 8-bit, as the layers'); else as
             # the model's own 8-bit copy (Int8Rows), made slice by slice from the file's rows. The
-            # embedding is read a few rows a step, from the file's rows (LlamaModel keeps no dense
+            # embedding is read a few rows a step, from the file's rows (DecoderModel keeps no dense
             # copy where no dense head reads it). Dense only when asked for. Checked once, here
             # (_check_finite).
             _check_finite(path, t, reader)
@@ -348,7 +355,7 @@ def tensor_array(t: GGUFTensor) -> np.ndarray:
 
 def _permuted_heads(config: ModelConfig, name: str) -> int:
     """How many heads the converter interleaved in this tensor's rows (0: none)."""
-    if config.architecture not in _PERMUTED:
+    if not family_of(config.architecture).permuted_qk:
         return 0
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         return config.num_heads

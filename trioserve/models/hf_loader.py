@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from trioserve.errors import CheckpointError, TokenizerError
 from trioserve.models.checkpoint import Checkpoint, Progress, check_complete, check_layers, check_vocabulary
 from trioserve.models.config import config_from_hf
+from trioserve.models.family import family_of
 from trioserve.models.files import MAX_JSON, FileRefused, is_regular_file, kind_of, read_text
 from trioserve.models.tokenizer import Tokenizer
 
@@ -88,6 +89,7 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
     check_complete(directory, config, {n: shapes[n] for n in owner if n in shapes})
     check_vocabulary(directory, config, tokenizer, tokens="tokenizer.json", rows="vocab_size in config.json")
 
+    offset = family_of(config.architecture).hf_norm_offset
     by_file: dict[Path, list[str]] = {}
     for name, file in owner.items():
         by_file.setdefault(file, []).append(name)
@@ -102,6 +104,8 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
                 raise CheckpointError(file, f"cannot read tensor {name!r} ({exc})") from exc
             if not torch.isfinite(tensor.float()).all():
                 raise CheckpointError(file, f"corrupt tensor {name!r}: contains NaN or infinity")
+            if offset and name.endswith("norm.weight"):
+                tensor = tensor.float() + offset  # the family computes with offset + w (models/family.py)
             weights[name] = tensor.to(dtype)
             done += 1
             if progress is not None:

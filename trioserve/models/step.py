@@ -94,7 +94,7 @@ class StepBatch:
     num_decode: int = 0  # the first num_decode tokens are decode tokens
     block_size: int = 1
     chunks: tuple[SeqChunk, ...] = ()
-    fixed: bool = False  # batch-invariant arithmetic (LlamaModel.batch_invariant)
+    fixed: bool = False  # batch-invariant arithmetic (DecoderModel.batch_invariant)
     # The packed tokens of each LoRA adapter in the step, by adapter key
     # (empty: every token runs on the base model alone).
     lora_rows: tuple[tuple[str, torch.Tensor], ...] = ()

@@ -11,7 +11,7 @@ import torch
 from tests.kernels.gpu.conftest import DEVICE
 from trioserve.kernels.ops import Kernels, NativeKernels, TritonKernels, select_kernels
 from trioserve.models.checkpoint import load_checkpoint
-from trioserve.models.llama import LlamaModel
+from trioserve.models.decoder import DecoderModel
 from trioserve.models.step import SeqChunk, build_step
 
 BLOCK = 4
@@ -23,7 +23,7 @@ def test_a_triton_forward_equals_the_reference_forward(tiny_checkpoints, invaria
     # The Triton model on the GPU where there is one (compiled), else on the
     # CPU (interpreted); the reference, the oracle, always on the CPU.
     devices = {"triton": DEVICE, "reference": torch.device("cpu")}
-    models = {name: LlamaModel.from_checkpoint(ckpt, batch_invariant=invariant, kernels=name, device=devices[name]) for name in devices}
+    models = {name: DecoderModel.from_checkpoint(ckpt, batch_invariant=invariant, kernels=name, device=devices[name]) for name in devices}
     assert isinstance(models["triton"].kernels, TritonKernels) and type(models["reference"].kernels) is Kernels
     caches = {name: m.new_kv_cache(16, BLOCK) for name, m in models.items()}
     steps = [
@@ -80,8 +80,8 @@ def test_generated_tokens_take_the_triton_4_bit_kernel(tiny_checkpoints):
     from trioserve.kernels.ops import TritonProjection
 
     ckpt = load_checkpoint(tiny_checkpoints["gguf_q4_1"], dtype=torch.float32)
-    triton_model = LlamaModel.from_checkpoint(ckpt, kernels="triton", device=DEVICE)
-    cpu_model = LlamaModel.from_checkpoint(ckpt, activations="bf16")  # the Triton kernel's bf16 activations
+    triton_model = DecoderModel.from_checkpoint(ckpt, kernels="triton", device=DEVICE)
+    cpu_model = DecoderModel.from_checkpoint(ckpt, activations="bf16")  # the Triton kernel's bf16 activations
     layer = triton_model.layers[0]
     assert isinstance(layer.qkv, TritonProjection) and layer.qkv.packed is not None
     models = {"triton": (triton_model, DEVICE), "cpu": (cpu_model, torch.device("cpu"))}
