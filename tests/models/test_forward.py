@@ -76,7 +76,7 @@ def tiny(request):
     return weights, model
 
 
-def run_paged(model: DecoderModel, prompts: list[list[int]], seed: int, chunk: int = CHUNK) -> tuple[list[list[int]], list[list[tuple[int, np.ndarray]]]]:
+def run_paged(model: DecoderModel, prompts: list[list[int]], seed: int, chunk: int = CHUNK) -> tuple[list[list[int]], list[list[tuple[int, np.ndarray]]]]:  # fmt: skip
     """Prefill in chunks of ``chunk`` and decode DECODE_STEPS greedy tokens for
     every prompt, all sequences sharing every step. Returns each sequence's
     full token list and the (position, logits) observed for it."""
@@ -100,7 +100,7 @@ def run_paged(model: DecoderModel, prompts: list[list[int]], seed: int, chunk: i
             new = t[done[s] : done[s] + chunk] if done[s] < len(prompts[s]) else t[done[s] :]
             rows.append(s)
             chunks.append(SeqChunk(new, done[s], tables[s]))
-        logits = model.forward(build_step(chunks, BLOCK), cache)
+        logits = model.forward(build_step(chunks, BLOCK, fixed=model.batch_invariant), cache)
         for row, s in enumerate(rows):
             done[s] += len(chunks[row].token_ids)
             if done[s] >= len(prompts[s]):  # the prompt is in: these logits pick a token

@@ -1,0 +1,150 @@
+"""Tiny random models of each family, made by transformers' own config and
+model classes (the reference forward), saved as an HF directory and written
+as GGUF the way llama.cpp's converter names and transforms the tensors
+(written here independently of trioserve's loader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from tests.k_quants import quantize_q4_k
+from tests.tiny_tokenizer import gguf_tokenizer_metadata, train_tiny_tokenizer, write_hf_tokenizer
+
+Q = gguf.GGMLQuantizationType
+
+# Each family's tiny shape: head widths not hidden / heads where the family allows it,
+# and (Gemma 3) enough layers for both kinds, a window shorter than the test prompts.
+SHAPES = {
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    "gemma3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=8, query_pre_attn_scalar=32),
+}  # fmt: skip
+
+
+def hf_model(family: str, vocab: int, *, tie: bool, seed: int = 0):
+    """A random transformers model of ``family``, float32, in eval mode;
+    weights wider than transformers' default so greedy text varies."""
+    import transformers
+
+    shape = dict(SHAPES[family])
+    if family == "qwen3":
+        config = transformers.Qwen3Config(vocab_size=vocab, tie_word_embeddings=tie, **shape)
+    elif family == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            vocab_size=vocab, tie_word_embeddings=tie, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            }, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape,
+        )  # fmt: skip
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Gemma computes with 1 + w (w near 0); the others with w (near 1).
+                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+# GGUF per-layer names (llama.cpp's tensor names), by HF name after "model.layers.<i>.".
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_LAYER_BY_FAMILY = {
+    "qwen3": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "gemma3": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def gguf_tensor_name(family: str, name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    _, _, layer, rest = name.split(".", 3)
+    return f"blk.{layer}.{({**_LAYER, **_LAYER_BY_FAMILY[family]})[rest]}"
+
+
+def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32) -> Path:
+    """``model``'s weights as a GGUF of ``family``'s architecture, as
+    llama.cpp's converter writes them (no Q/K interleave for these
+    families; Gemma's norms stored as 1 + w), matrices in ``qtype``."""
+    shape = SHAPES[family]
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(shape["head_dim"])
+    writer.add_value_length(shape["head_dim"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(1000000.0)
+    if family == "gemma3":
+        writer.add_sliding_window(shape["sliding_window"])
+    for key, value in gguf_tokenizer_metadata(tokenizer).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, list(value))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy().copy()
+        if family == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0
+        if array.ndim == 2 and qtype == Q.Q4_K:
+            writer.add_tensor(gguf_tensor_name(family, name), quantize_q4_k(array), raw_dtype=qtype)
+        elif array.ndim == 2 and qtype != Q.F32:
+            writer.add_tensor(gguf_tensor_name(family, name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_tensor_name(family, name), array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def build_family(root: Path, family: str, *, tie: bool = False, seed: int = 0) -> dict:
+    """The reference model and its files: {"model", "tokenizer", "hf", "gguf_f32", "gguf_q8_0"}."""
+    tokenizer = train_tiny_tokenizer()
+    model = hf_model(family, tokenizer.get_vocab_size(), tie=tie, seed=seed)
+    hf = root / f"{family}-hf"
+    model.save_pretrained(hf)
+    write_hf_tokenizer(tokenizer, hf)
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "hf": hf,
+        "gguf_f32": write_family_gguf(root / f"{family}-f32.gguf", family, model, tokenizer),
+        "gguf_q8_0": write_family_gguf(root / f"{family}-q8_0.gguf", family, model, tokenizer, qtype=Q.Q8_0),
+    }
