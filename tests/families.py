@@ -23,6 +23,8 @@ SHAPES = {
                   head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0),
     "gemma3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=8, query_pre_attn_scalar=32),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=8),
 }  # fmt: skip
 
 
@@ -40,6 +42,12 @@ def hf_model(family: str, vocab: int, *, tie: bool, seed: int = 0):
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             }, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape,
+        )  # fmt: skip
+    elif family == "phi3":
+        shape.pop("head_dim")  # hidden / heads
+        config = transformers.Phi3Config(
+            vocab_size=vocab, tie_word_embeddings=tie, original_max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, **shape,
         )  # fmt: skip
     else:
         raise ValueError(family)
@@ -71,6 +79,11 @@ _LAYER = {
 }
 _LAYER_BY_FAMILY = {
     "qwen3": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "phi3": {
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
+    },
     "gemma3": {
         "post_attention_layernorm.weight": "post_attention_norm.weight",
         "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -103,8 +116,8 @@ def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q
     writer.add_key_length(shape["head_dim"])
     writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(1000000.0)
-    if family == "gemma3":
+    writer.add_rope_freq_base(10000.0 if family == "phi3" else 1000000.0)
+    if family in ("gemma3", "phi3"):
         writer.add_sliding_window(shape["sliding_window"])
     for key, value in gguf_tokenizer_metadata(tokenizer).items():
         if isinstance(value, bool):

@@ -16,7 +16,7 @@ from tests.models.test_forward import run_paged
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.decoder import DecoderModel
 
-FAMILIES = ["qwen3", "gemma3"]
+FAMILIES = ["qwen3", "gemma3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -145,6 +145,34 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def split_fused(
+    path: Path, config: ModelConfig, items: Mapping[str, T], rows_of: Callable[[T], int], take: Callable[[T, int, int], T],
+    *, spelled: Callable[[str], str] = str,
+) -> dict[str, T]:  # fmt: skip
+    """``items`` (by HF name) with every per-layer matrix the family holds
+    fused (models/family.Family.split_layer_tensors) replaced by its parts,
+    ``take(item, first_row, end_row)`` each; CheckpointError naming the
+    tensor when its rows are not the parts' sum."""
+    splits = family_of(config.architecture).split_layer_tensors(config)
+    if not splits:
+        return dict(items)
+    out: dict[str, T] = {}
+    for name, item in items.items():
+        m = _LAYER.match(name)
+        parts = splits.get(name[m.end() :]) if m else None
+        if parts is None:
+            out[name] = item
+            continue
+        want, have = sum(rows for _, rows in parts), rows_of(item)
+        if have != want:
+            raise CheckpointError(path, f"tensor {spelled(name)!r} has {have} rows, but the model's settings imply {want}")
+        at = 0
+        for part, rows in parts:
+            out[m.group(0) + part] = take(item, at, at + rows)
+            at += rows
+    return out
+
+
 def check_complete(
     path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], *, spelled: Callable[[str], str] = str
 ) -> None:

@@ -291,6 +291,10 @@ def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:
 
     hidden = _positive(whole("hidden_size"), "hidden_size", path, "")
     heads = _positive(whole("num_attention_heads"), "num_attention_heads", path, "")
+    params = _rope_parameters(raw)
+    partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor") if isinstance(params, Mapping) else None)
+    if partial is not None and _number(partial, "partial_rotary_factor", path, "") != 1.0:
+        raise CheckpointError(path, f"'partial_rotary_factor' is {partial!r}: partial rotary embeddings are not supported")
     tie = raw.get("tie_word_embeddings", False)
     bias = raw.get("attention_bias", family.attention_bias)
     for key, value in (("tie_word_embeddings", tie), ("attention_bias", bias)):
@@ -343,7 +347,7 @@ def _hf_rope_theta(raw: Mapping[str, Any], path: Path, layer_type: str = "full_a
 def _hf_rope_scaling(raw: Any, path: Path) -> RopeScaling:
     if not raw:
         return RopeScaling()
-    if isinstance(raw, Mapping) and set(raw) <= {"rope_theta", "rope_type", "type"} and raw.get("rope_type", raw.get("type")) in (None, "default"):
+    if isinstance(raw, Mapping) and set(raw) <= {"rope_theta", "rope_type", "type", "partial_rotary_factor"} and raw.get("rope_type", raw.get("type")) in (None, "default"):
         return RopeScaling()
     if not isinstance(raw, Mapping):
         raise CheckpointError(path, f"'rope_scaling' is {raw!r}, not an object")

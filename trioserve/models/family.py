@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from trioserve.models.config import ModelConfig
 
 # The families' modules: each registers itself with `register` when imported.
-FAMILY_MODULES = ("trioserve.models.llama", "trioserve.models.qwen3", "trioserve.models.gemma3")
+FAMILY_MODULES = ("trioserve.models.llama", "trioserve.models.qwen3", "trioserve.models.gemma3", "trioserve.models.phi3")
 
 MIXERS = ("attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -104,7 +104,8 @@ class Family:
     "normal" RoPE), undone at load. ``hf_norm_offset``: added to every norm
     weight read from an HF directory (Gemma stores w and computes 1 + w;
     its GGUF converter stores w + 1 already). ``attention_bias``: the
-    default for Q/K/V biases."""
+    default for Q/K/V biases. ``fused_layer_tensors(config)``: see
+    `split_layer_tensors`."""
 
     name: str
     gguf_architectures: tuple[str, ...]
@@ -117,6 +118,13 @@ class Family:
     permuted_qk: bool = False
     hf_norm_offset: float = 0.0
     attention_bias: bool = False
+    fused_layer_tensors: Callable[[ModelConfig], Mapping[str, tuple[tuple[str, int], ...]]] = lambda c: {}
+
+    def split_layer_tensors(self, config: ModelConfig) -> Mapping[str, tuple[tuple[str, int], ...]]:
+        """HF per-layer name of a matrix the family's files hold fused ->
+        the (name, rows) of its parts, in row order: the loaders split it
+        (Phi-3's qkv_proj into q, k and v; its gate_up_proj into gate and up)."""
+        return self.fused_layer_tensors(config)
 
 
 _BY_GGUF: dict[str, Family] = {}

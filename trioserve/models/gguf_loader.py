@@ -18,7 +18,7 @@ from trioserve.kernels.int4 import INT4_TYPES, Int4Rows
 from trioserve.kernels.int6 import INT6_TYPES, Int6Rows
 from trioserve.kernels.int8w import Q8Rows
 from trioserve.kernels.w16 import W16_TYPES, W16Rows, check_finite16
-from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete, check_layers, check_vocabulary
+from trioserve.models.checkpoint import Checkpoint, LazyWeights, Progress, check_complete, check_layers, check_vocabulary, split_fused
 from trioserve.models.config import ModelConfig, config_from_gguf
 from trioserve.models.family import Family, family_for_gguf, family_of
 from trioserve.models.gguf_file import metadata, open_reader
@@ -109,6 +109,10 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         raise CheckpointError(path, "missing tensor 'token_embd.weight'")
     vocab = int(tensors["model.embed_tokens.weight"].shape[-1])
     config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
+    for unsupported in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if any(t.name == unsupported for t in reader.tensors):
+            raise CheckpointError(path, f"tensor {unsupported!r}: LongRoPE frequency factors are not supported")
+    tensors = split_fused(path, config, tensors, lambda t: int(t.shape[-1]), _row_slice, spelled=functools.partial(gguf_name, family=family))
     check_layers(path, config, tensors, key=f"{config.architecture}.block_count")
     shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
     check_complete(path, config, shapes, spelled=functools.partial(gguf_name, family=family))
@@ -182,6 +186,17 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, int8=codes8, w16=bits16, rows=rows,
         drop_file_pages=functools.partial(_drop_pages, reader),
     )
+
+
+def _row_slice(t: GGUFTensor, start: int, end: int) -> GGUFTensor:
+    """Rows start..end of 2-D tensor ``t`` as a tensor of their own (a part
+    of a fused matrix): a view of the same mapped bytes."""
+    rows = int(t.shape[-1])
+    row_bytes = t.n_bytes // rows
+    return t._replace(
+        name=f"{t.name}[rows {start}:{end}]", shape=(*t.shape[:-1], end - start), n_bytes=(end - start) * row_bytes,
+        data_offset=t.data_offset + start * row_bytes, data=t.data[start:end],
+    )  # fmt: skip
 
 
 def _drop_pages(reader: GGUFFile, t: GGUFTensor | None = None) -> None:

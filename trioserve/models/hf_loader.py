@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from trioserve.errors import CheckpointError, TokenizerError
-from trioserve.models.checkpoint import Checkpoint, Progress, check_complete, check_layers, check_vocabulary
+from trioserve.models.checkpoint import Checkpoint, Progress, check_complete, check_layers, check_vocabulary, split_fused
 from trioserve.models.config import config_from_hf
 from trioserve.models.family import family_of
 from trioserve.models.files import MAX_JSON, FileRefused, is_regular_file, kind_of, read_text
@@ -86,7 +86,13 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
         handle = _open(file)
         for name in handle.keys():
             shapes[name] = tuple(handle.get_slice(name).get_shape())
-    check_complete(directory, config, {n: shapes[n] for n in owner if n in shapes})
+    def rows(shape) -> int:
+        return int(shape[0])
+
+    def part(shape, start: int, end: int) -> tuple[int, ...]:
+        return (end - start, *shape[1:])
+
+    check_complete(directory, config, split_fused(directory, config, {n: shapes[n] for n in owner if n in shapes}, rows, part))
     check_vocabulary(directory, config, tokenizer, tokens="tokenizer.json", rows="vocab_size in config.json")
 
     offset = family_of(config.architecture).hf_norm_offset
@@ -110,4 +116,5 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
             done += 1
             if progress is not None:
                 progress(done, len(owner))
+    weights = split_fused(directory, config, weights, lambda t: int(t.shape[0]), lambda t, start, end: t[start:end].contiguous())
     return Checkpoint(path=directory, config=config, tokenizer=tokenizer, weights=weights)
