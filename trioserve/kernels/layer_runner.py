@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from trioserve.kernels import int6, int8w, native_pack, w16
@@ -41,15 +42,27 @@ class _Proj(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj)]
+    _fields_ = [
+        ("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+        ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
+    ]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
         ("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
-        ("dim", _i64), ("max_position", _i64), ("cos", _ptr), ("sin", _ptr), ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float), ("bf16", _i32), ("kv_bf16", _i32),
+        ("dim", _i64), ("max_position", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", _i32), ("kv_bf16", _i32),
     ]  # fmt: skip
+
+
+def runs_in_c(spec) -> bool:
+    """Whether the C loop computes a layer of this description
+    (models/family.LayerSpec): a Llama layer, with or without q/k norm
+    (Qwen3), at any RoPE base and scaling (each layer's own tables). Any
+    other field (and any field a later LayerSpec adds) sends the model
+    layer by layer through Python."""
+    plain = type(spec)()  # the default description: a Llama layer
+    return spec == attrs.evolve(plain, rope_theta=spec.rope_theta, rope_scaled=spec.rope_scaled, qk_norm=spec.qk_norm)
 
 
 class _Group(ctypes.Structure):
@@ -112,16 +125,20 @@ class LayerRunner:
 
     @classmethod
     def for_model(cls, model) -> LayerRunner | None:
-        """The runner for a `DecoderModel` of plain layers whose every per-layer call would be a
-        C kernel (its kernels the native set, attention read in place, every
+        """The runner for a `DecoderModel` whose layers the C loop computes
+        (`runs_in_c`) and whose every per-layer call would be a C kernel
+        (its kernels the native set, attention read in place, every
         projection's rows through the codes or 16-bit kernels, no bias), or
         None (the model then runs layer by layer in Python)."""
         kernels = model.kernels
         if kernels.name != "native" or not kernels.reads_in_place or not model.layers:
             return None
-        # The C loop runs the plain Llama layer alone (models/family.LayerSpec.plain): any
-        # other layer (q/k norm, sliding window, sandwich norms, GeGLU) runs layer by layer in Python.
-        if not all(spec.plain for spec in getattr(model, "specs", ())) or len(getattr(model, "specs", ())) != len(model.layers):
+        # The C loop runs the layers `runs_in_c` names; a model with any other runs layer by layer in Python.
+        specs = list(getattr(model, "specs", ()))
+        if len(specs) != len(model.layers) or not all(runs_in_c(spec) for spec in specs):
+            return None
+        ropes = list(getattr(model, "layer_rope", ())) or [(model.rope_cos, model.rope_sin)] * len(model.layers)
+        if len(ropes) != len(model.layers) or any(cos.shape != model.rope_cos.shape or sin.shape != cos.shape for cos, sin in ropes):
             return None
         if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
             return None
@@ -129,21 +146,24 @@ class LayerRunner:
         if lib is None or not hasattr(lib, "trioserve_run_layers"):
             return None
         array = (_Layer * len(model.layers))()
-        keep = [model.rope_cos, model.rope_sin]
-        for i, layer in enumerate(model.layers):
+        keep = []
+        c = model.config
+        for i, (layer, spec, (cos, sin)) in enumerate(zip(model.layers, specs, ropes)):
             projs = [_proj(p, lib) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in projs):
                 return None
-            array[i] = _Layer(layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *projs)
-            keep += [layer.attn_norm, layer.mlp_norm]
-        c = model.config
+            qk = [getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)] if spec.qk_norm else []
+            if any(t is None or t.shape != (c.head_dim,) for t in qk):
+                return None
+            q_norm, k_norm = (qk[0].data_ptr(), qk[1].data_ptr()) if qk else (None, None)
+            array[i] = _Layer(layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *projs, q_norm, k_norm, cos.data_ptr(), sin.data_ptr())
+            keep += [layer.attn_norm, layer.mlp_norm, cos, sin, *qk]
         for t in keep:
             if t.dtype != torch.float32 or not t.is_contiguous():
                 return None
         description = _Model(
             ctypes.cast(array, ctypes.POINTER(_Layer)), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, model.rope_cos.shape[0],
-            model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), c.rms_eps, model.scale,
-            int(model.dtype == torch.bfloat16), int(model.kv_dtype == torch.bfloat16),
+            c.rms_eps, model.scale, int(model.dtype == torch.bfloat16), int(model.kv_dtype == torch.bfloat16),
         )  # fmt: skip
         fn = lib.trioserve_run_layers
         fn.restype = ctypes.c_int

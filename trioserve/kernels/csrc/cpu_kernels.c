@@ -2968,12 +2968,13 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm;
     TsProj qkv, o, gate_up, down;
+    const float *q_norm, *k_norm; /* [dim] each, applied to every query and key head before RoPE; NULL: none (a Llama layer) */
+    const float *cos, *sin;       /* this layer's RoPE tables [max_position, dim / 2] (Gemma 3's local layers have their own) */
 } TsLayer;
 
 typedef struct {
     const TsLayer *layers;
-    int64_t num_layers, hidden, heads, kv_heads, dim, max_position;
-    const float *cos, *sin; /* [max_position, dim / 2] */
+    int64_t num_layers, hidden, heads, kv_heads, dim, max_position; /* max_position: the RoPE tables' rows */
     float eps, scale;
     int32_t bf16;    /* the weights' dtype */
     int32_t kv_bf16; /* the pool's */
@@ -3032,11 +3033,34 @@ static int64_t ts_widest(const TsProj *p, int64_t most) {
     return p->n > most ? p->n : most;
 }
 
+/* q/k norm (Qwen3, Gemma 3): each query head of packed qkv rows [rows,
+ * (H + 2 KVH) dim] RMS-normed with q_norm and each key head with k_norm, in
+ * place: the head widened to fp32, normed as `trioserve_rms_norm` computes
+ * a row of dim (`rms_norm_row`), stored back in qkv's dtype (rounded as
+ * torch casts). The Python forward (models/decoder.py `_qk_norm`) runs that
+ * kernel on the widened heads and casts: the same bits. dim <= 256. */
+static void ts_qk_norm(void *qkv, const float *q_norm, const float *k_norm, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t dim, float eps, int bf16) {
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float head[LANES * 16];
+        for (int64_t n = 0; n < heads + kv_heads; n++) {
+            const int64_t at = r * width + n * dim;
+            const float *w = n < heads ? q_norm : k_norm;
+            for (int64_t i = 0; i < dim; i++) head[i] = load(qkv, at + i, bf16);
+            if (bf16) rms_norm_row(head, w, (uint16_t *)qkv + at, 0, dim, eps, 1);
+            else rms_norm_row(head, w, (float *)qkv + at, 0, dim, eps, 0);
+        }
+    }
+}
+
 int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
     const int64_t rows = s->rows, hidden = m->hidden, nq = m->heads * m->dim;
     const int bf16 = m->bf16 != 0;
     const size_t es = bf16 ? 2 : 4, kes = m->kv_bf16 ? 2 : 4;
     if (m->num_layers < 1 || rows < 1) return 0;
+    if (m->dim > LANES * 16) return 1 + 48; /* attention's own limit (`trioserve_decode_attention`) */
     /* Scratch, sized for the widest layer: the norms' output (also the
      * attention rows cast to bf16), qkv, q, the attention rows in fp32,
      * gate+up, SiLU's output, a projection's output, and one stacked part. */
@@ -3072,9 +3096,10 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
             code += 16;
             break;
         }
+        if (l->q_norm) ts_qk_norm(qkv, l->q_norm, l->k_norm, rows, m->heads, m->kv_heads, m->dim, m->eps, bf16);
         void *kc = (char *)s->k_pool + (size_t)(i * layer_cells) * kes;
         void *vc = (char *)s->v_pool + (size_t)(i * layer_cells) * kes;
-        code = trioserve_rope_write_kv(qkv, s->positions, m->cos, m->sin, q, kc, vc, s->slots, rows, s->real, m->heads,
+        code = trioserve_rope_write_kv(qkv, s->positions, l->cos, l->sin, q, kc, vc, s->slots, rows, s->real, m->heads,
                                        m->kv_heads, m->dim, m->max_position, num_slots, bf16, m->kv_bf16);
         if (code) {
             code += 32;

@@ -1,0 +1,100 @@
+"""The C layer loop (kernels/layer_runner.py, `trioserve_run_layers`) on
+the layers of the families beyond Llama: Qwen3's q/k norm, and sliding-
+window attention (every layer of a model given a window here). The same
+model with `runner = None` runs layer by layer in Python through the same
+kernels; the two must give the same logits and the same KV pool, bit for
+bit, on chunked prompts, decode rows beside prompt rows, and pad rows, at
+every instruction-set level this CPU runs."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from tests.families import build_family
+from tests.kernels.levels import ALL_LEVELS, use_level
+from trioserve.kernels import native
+from trioserve.kernels.layer_runner import LayerRunner
+from trioserve.models.checkpoint import load_checkpoint
+from trioserve.models.decoder import DecoderModel
+from trioserve.models.step import SeqChunk, build_step
+
+BLOCK = 4
+DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)]
+DTYPE_IDS = ["f32", "bf16", "f32-bf16pool"]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return build_family(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(params=ALL_LEVELS)
+def level(request, monkeypatch) -> str:
+    use_level(request.param, monkeypatch, lambda: native.int8_q8_supported(16, 32), "8-bit codes kernel")
+    return request.param
+
+
+def _steps(batch_invariant: bool) -> list:
+    """Three sequences over 13 blocks: prompt chunks (one padded to a
+    bucket), a decode row beside another sequence's chunk, decode rows
+    together, and sequences past a few blocks (so a window of 6 keys
+    leaves whole blocks behind)."""
+    a, b, c = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12]
+    fixed = batch_invariant
+    return [
+        build_step([SeqChunk(list(range(5, 17)), 0, a)], BLOCK, fixed=fixed),
+        build_step([SeqChunk([7], 12, a, decode=True), SeqChunk(list(range(40, 53)), 0, b)], BLOCK, fixed=fixed),
+        build_step([SeqChunk([8], 13, a, decode=True), SeqChunk([9], 13, b, decode=True)], BLOCK, fixed=fixed),
+        build_step([SeqChunk([10], 14, a, decode=True), SeqChunk([3, 30, 31, 32, 33, 34, 35, 36, 37], 0, c)], BLOCK, fixed=fixed),
+        build_step([SeqChunk([11], 15, a, decode=True), SeqChunk([12], 14, b, decode=True), SeqChunk([38, 39], 9, c)], BLOCK, fixed=fixed),
+    ]
+
+
+def _twins(path, dtype, kv_dtype, *, batch_invariant: bool = True, window: int | None = None) -> tuple[DecoderModel, DecoderModel]:
+    """The model twice from ``path``: one running its layers in one C call,
+    one layer by layer (runner None). ``window``: every layer made a
+    sliding-window layer of that many keys (as a Mistral's or Phi-3's)."""
+    ckpt = load_checkpoint(path, dtype=dtype)
+    models = []
+    for _ in range(2):
+        model = DecoderModel.from_checkpoint(ckpt, batch_invariant=batch_invariant, activations="int8", kv_dtype=kv_dtype)
+        if window is not None:
+            model.specs = [attrs.evolve(spec, mixer="sliding_attention", window=window) for spec in model.specs]
+            model.windows = [window]
+            model.runner = LayerRunner.for_model(model)
+        models.append(model)
+    one_call, per_call = models
+    per_call.runner = None
+    return one_call, per_call
+
+
+def _same_bits(one_call: DecoderModel, per_call: DecoderModel, steps: list) -> None:
+    caches = {m: m.new_kv_cache(16, BLOCK) for m in (one_call, per_call)}
+    for i, step in enumerate(steps):
+        got, want = one_call.forward(step, caches[one_call]), per_call.forward(step, caches[per_call])
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert torch.equal(got, want), f"step {i}: logits differ (largest gap {float((got - want).abs().max()):.3g})"
+        for name in ("k", "v"):
+            assert torch.equal(getattr(caches[one_call], name), getattr(caches[per_call], name)), f"step {i}: the pool's {name} differs"
+    # forward_hidden (embeddings, speculative verification) goes through the same layers.
+    step = build_step([SeqChunk(list(range(60, 66)), 0, [13, 14])], BLOCK, fixed=one_call.batch_invariant)
+    rows, hidden = torch.tensor([5], dtype=torch.int64), torch.arange(6, dtype=torch.int64)
+    (la, ha), (lb, hb) = (m.forward_hidden(step, caches[m], rows, hidden) for m in (one_call, per_call))
+    assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
+def test_qwen3_layers_run_in_c_with_the_per_call_bits(level, qwen3, dtype, kv_dtype):
+    one_call, per_call = _twins(qwen3["gguf_q8_0"], dtype, kv_dtype)
+    assert all(spec.qk_norm for spec in one_call.specs)
+    assert one_call.runner is not None, "Qwen3's layers (q/k norm) on the codes kernels: the C loop should take them"
+    assert all(layer.q_norm and layer.k_norm for layer in one_call.runner._layers)
+    _same_bits(one_call, per_call, _steps(True))
+
+
+def test_qwen3_without_batch_invariance_too(level, qwen3):
+    one_call, per_call = _twins(qwen3["gguf_q8_0"], torch.float32, None, batch_invariant=False)
+    assert one_call.runner is not None
+    _same_bits(one_call, per_call, _steps(False))
