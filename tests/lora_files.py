@@ -7,10 +7,12 @@ the loader too."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file, save_file
 
 from trioserve.models.lora import TARGETS
@@ -93,6 +95,31 @@ def write_peft_adapter(
     config.update(extra_config or {})
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def fifo_in_place(path: Path) -> Path:
+    """Replace the file at ``path`` with a FIFO of its name (nobody ever
+    writes to it: opening it to read blocks, unless opened non-blocking).
+    Skips the test where no FIFO can be made."""
+    path.unlink(missing_ok=True)
+    try:
+        os.mkfifo(path)
+    except (AttributeError, OSError) as exc:  # no mkfifo here (Windows), or a filesystem without FIFOs
+        pytest.skip(f"cannot make a FIFO at {path}: {exc}")
+    return path
+
+
+def dev_zero_in_place(path: Path) -> Path:
+    """Replace the file at ``path`` with a link to /dev/zero (endless zeros).
+    Skips the test where there is no /dev/zero or no symbolic link."""
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero on this system")
+    path.unlink(missing_ok=True)
+    try:
+        path.symlink_to("/dev/zero")
+    except OSError as exc:
+        pytest.skip(f"cannot make a symbolic link at {path}: {exc}")
+    return path
 
 
 def adapter_scale(adapter_dir: Path) -> float:

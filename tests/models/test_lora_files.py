@@ -1,12 +1,18 @@
 """load_lora_adapter on PEFT adapters that tests/lora_files.py writes for the
 tiny model: the factors and scale come back exactly, and every adapter that
 does not fit the model (or uses a PEFT option trioserve does not implement)
-is one AdapterError, a 400, whose message names the problem."""
+is one AdapterError, a 400, whose message names the problem. The files are
+untrusted input: a FIFO, a device, a socket or a directory in a file's
+place, or a file past its bound, is refused at once, naming the file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +20,13 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from tests.lora_files import merged_weights, write_peft_adapter
+from tests.lora_files import dev_zero_in_place, fifo_in_place, merged_weights, write_peft_adapter
 from tests.tiny_model import TINY, hf_config, tiny_weights
 from trioserve.errors import RequestError
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.models.config import ModelConfig, config_from_hf
-from trioserve.models.lora import TARGETS, AdapterError, LoraAdapter, load_lora_adapter
+from trioserve.models.files import MAX_JSON
+from trioserve.models.lora import TARGETS, AdapterError, LoraAdapter, load_lora_adapter, weights_bound
 
 VOCAB = 300
 # TINY's q/k/v/o/gate/up/down matrices as (in, out): hidden 64, head_dim 16, 2 KV heads, 128 intermediate.
@@ -293,3 +300,119 @@ def test_merged_weights_change_exactly_the_targeted_matrices(tmp_path, config):
         delta = adapter.delta(1, changed[name]).double().numpy()
         assert np.abs(delta).max() > 1e-3  # the adapter really changes the model
         np.testing.assert_allclose(merged[name].astype(np.float64) - original, delta, rtol=0, atol=1e-6)
+
+
+# -- the files as untrusted input (#49) --------------------------------------------
+# Any API key may name a directory on the server's disk; each file there is
+# read only if it is a regular file, and only up to its bound. A refusal
+# names the file by its name alone, never the directory it is in.
+
+GUARD_S = 60  # a backstop against a hang, not a timing: a refused FIFO answers at once
+
+
+def refused_promptly(path: Path, config: ModelConfig, fifos: tuple[Path, ...] = ()) -> str:
+    """`refused`, in a thread joined for at most GUARD_S. Should the load
+    block on one of ``fifos`` (opened for reading, waiting for a writer),
+    a writer comes and goes to let it go, and the test fails."""
+    outcome: list = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(refused(path, config))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread, which raises it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(GUARD_S)
+    if thread.is_alive():
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(GUARD_S)
+        pytest.fail(f"the load was still running {GUARD_S} s later: it blocked on a file")
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("file", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_fifo_is_refused_at_once(tmp_path, config, file):
+    path = write_peft_adapter(tmp_path / "a", TINY)
+    fifo = fifo_in_place(path / file)
+    message = refused_promptly(path, config, (fifo,))
+    assert message == f"adapter 'x': {file} is a FIFO (named pipe), not a regular file"
+    assert str(tmp_path) not in message
+
+
+@pytest.mark.parametrize("file", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_link_to_dev_zero_is_refused_at_once(tmp_path, config, file):
+    path = write_peft_adapter(tmp_path / "a", TINY)
+    dev_zero_in_place(path / file)
+    assert refused_promptly(path, config) == f"adapter 'x': {file} is a character device, not a regular file"
+
+
+def test_a_directory_or_a_socket_in_a_files_place(tmp_path, config, monkeypatch):
+    path = write_peft_adapter(tmp_path / "a", TINY)
+    (path / "adapter_model.safetensors").unlink()
+    (path / "adapter_model.safetensors").mkdir()
+    assert refused_promptly(path, config) == "adapter 'x': adapter_model.safetensors is a directory, not a regular file"
+    (path / "adapter_config.json").unlink()
+    monkeypatch.chdir(path)  # a relative name: a socket's path must be short (108 bytes), tmp_path may not be
+    with socket.socket(socket.AF_UNIX) as listening:
+        try:
+            listening.bind("adapter_config.json")
+        except OSError as exc:
+            pytest.skip(f"cannot bind a Unix socket in {path}: {exc}")
+        assert refused_promptly(path, config) == "adapter 'x': adapter_config.json is a socket, not a regular file"
+
+
+def test_a_config_over_its_bound(tmp_path, config):
+    """A config past MAX_JSON is refused by its size: sparse here, so the
+    test writes nothing, and the loader reads nothing of it."""
+    path = write_peft_adapter(tmp_path / "a", TINY)
+    os.truncate(path / "adapter_config.json", MAX_JSON + 1)
+    message = refused_promptly(path, config)
+    assert message == f"adapter 'x': adapter_config.json is {MAX_JSON + 1} bytes, more than the {MAX_JSON} trioserve reads for it"
+    (path / "adapter_config.json").write_bytes(b"\xff{}")
+    assert refused(path, config) == "adapter 'x': adapter_config.json is not UTF-8 text (byte 0)"
+
+
+def expected_bound(rank: int, modules: list[tuple[int, str]]) -> int:
+    """The weights bound worked out here, from FEATURES: 8 bytes a value of
+    each A and B, a MiB for the header and 1 KiB per tensor."""
+    values = sum(rank * (FEATURES[t][0] + FEATURES[t][1]) for _, t in modules)
+    return 8 * values + (1 << 20) + 1024 * 2 * len(modules)
+
+
+def test_weights_over_the_most_the_adapter_can_hold(tmp_path, config):
+    every = [(i, t) for i in range(2) for t in TARGETS]
+    assert weights_bound(config, 4, None) == expected_bound(4, every) == 1_142_784
+    path = write_peft_adapter(tmp_path / "a", TINY, rank=4, extra_config={"target_modules": None})  # the tensors alone say which
+    os.truncate(path / "adapter_model.safetensors", expected_bound(4, every) + 1)
+    assert refused_promptly(path, config) == (
+        f"adapter 'x': adapter_model.safetensors is {expected_bound(4, every) + 1} bytes, more than the {expected_bound(4, every)} "
+        "trioserve reads for it (the most an adapter of rank 4 for every module of this model can hold)"
+    )
+    # The bound follows the config's rank and targets: one module of rank 2, a few KiB past the header's room.
+    path = write_peft_adapter(tmp_path / "b", TINY, rank=2, targets=("q_proj",), layers=[1])
+    bound = expected_bound(2, [(1, "q_proj")])
+    assert bound == (1 << 20) + 8 * 2 * 128 + 2048
+    os.truncate(path / "adapter_model.safetensors", bound + 1)
+    assert refused_promptly(path, config) == (
+        f"adapter 'x': adapter_model.safetensors is {bound + 1} bytes, more than the {bound} "
+        "trioserve reads for it (the most an adapter of rank 2 for the 1 module adapter_config.json targets can hold)"
+    )
+
+
+def test_the_largest_valid_adapter_is_under_its_bound(tmp_path, config):
+    """Every module, in float64 (8 bytes a value, the widest dtype), with
+    long tensor names: a valid adapter is never turned away by its size."""
+    path = write_peft_adapter(tmp_path / "a", TINY, rank=64)
+    rewrite(path, lambda t: {n.replace(".weight", ".a_long_adapter_name_as_peft_may_write.weight"): v.astype(np.float64) for n, v in t.items()})
+    size = (path / "adapter_model.safetensors").stat().st_size
+    assert size > 8 * sum(64 * sum(FEATURES[t]) for t in TARGETS) * 2  # the values alone
+    assert size <= weights_bound(config, 64, None)
+    adapter = load(path, config)
+    assert adapter.rank == 64 and adapter.weights[1]["down_proj"][0].dtype == torch.float32

@@ -11,6 +11,7 @@ Face cache's snapshot directory is all links into its blob store."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -35,12 +36,14 @@ _KINDS = (
 class FileRefused(Exception):
     """A file that will not be read: missing, not a regular file, or over
     its bound. ``problem`` is one line without the path; ``missing`` tells
-    a name that does not exist from one that is refused."""
+    a name that does not exist from one that is refused; ``oversize``, one
+    refused for its size (so a caller can say why its bound is what it is)."""
 
-    def __init__(self, path: Path, problem: str, *, missing: bool = False) -> None:
+    def __init__(self, path: Path, problem: str, *, missing: bool = False, oversize: bool = False) -> None:
         self.path = path
         self.problem = problem
         self.missing = missing
+        self.oversize = oversize
         super().__init__(f"{path}: {problem}")
 
 
@@ -58,13 +61,17 @@ def read_bytes(path: Path, limit: int) -> bytes:
     except FileNotFoundError:
         raise FileRefused(path, "no such file", missing=True) from None
     except OSError as exc:
+        # A Unix socket cannot be opened at all (ENXIO): say what it is, as for a FIFO.
+        kind = _not_regular(path) if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP) else None
+        if kind is not None:
+            raise FileRefused(path, f"is {kind}, not a regular file") from None
         raise FileRefused(path, f"cannot open it ({exc.strerror})") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise FileRefused(path, f"is {kind_of(info.st_mode)}, not a regular file")
         if info.st_size > limit:
-            raise FileRefused(path, f"is {info.st_size} bytes, more than the {limit} trioserve reads for it")
+            raise FileRefused(path, f"is {info.st_size} bytes, more than the {limit} trioserve reads for it", oversize=True)
         chunks = []
         left = limit + 1  # one byte past the bound tells a file that grew since fstat
         while left > 0:
@@ -79,7 +86,7 @@ def read_bytes(path: Path, limit: int) -> bytes:
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise FileRefused(path, f"is more than the {limit} bytes trioserve reads for it")
+        raise FileRefused(path, f"is more than the {limit} bytes trioserve reads for it", oversize=True)
     return data
 
 
@@ -98,3 +105,13 @@ def is_regular_file(path: Path) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is, in words, when it is not a regular file (links
+    followed); None for a regular file or a name that cannot be looked at."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else kind_of(mode)

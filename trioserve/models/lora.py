@@ -2,7 +2,14 @@
 adapter_config.json and adapter_model.safetensors. ``load_lora_adapter``
 reads one, checks every tensor against the model's shape, and returns the
 low-rank factors as float32 CPU tensors. Local directories only; nothing
-here reaches the Hugging Face hub."""
+here reaches the Hugging Face hub.
+
+Both files are untrusted input (any API key may name a directory on the
+server's disk): each is read through models/files.py, so a FIFO, a device
+(a link to /dev/zero), a socket or a directory in a file's place is
+refused at once, without blocking, and each is read only up to its bound:
+MAX_JSON for the config, and for the weights the most an adapter of the
+config's rank and targets can hold on this model (`weights_bound`)."""
 
 from __future__ import annotations
 
@@ -14,11 +21,12 @@ from typing import Any
 
 import attrs
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 from trioserve.errors import RequestError
 from trioserve.models import bounded
 from trioserve.models.config import ModelConfig
+from trioserve.models.files import MAX_JSON, FileRefused, is_regular_file, read_bytes, read_text
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The submodule of a decoder layer each target sits in (HF Llama naming).
@@ -30,6 +38,14 @@ MAX_REGEX_CHARS = 4096
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
+# What bounds the weights file (`weights_bound`): 8 bytes a value (float64,
+# the widest floating dtype safetensors stores and `_checked` accepts; PEFT
+# saves float32 or 16-bit, so real files are at most half of it), plus the
+# safetensors header: its 8-byte length, room for PEFT's metadata, and a
+# generous entry (name, dtype, shape, offsets: ~150 bytes) per tensor.
+WEIGHT_VALUE_BYTES = 8
+HEADER_SLACK_BYTES = 1 << 20
+HEADER_BYTES_PER_TENSOR = 1024
 
 # "<module>.lora_A[.<adapter name>].weight", after an optional "base_model.model." prefix.
 _LORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight")
@@ -98,7 +114,9 @@ def load_lora_adapter(path: str | Path, config: ModelConfig, *, name: str, max_r
     raw = _read_config(directory, fail)
     rank, scale = _rank_and_scale(raw, max_rank, fail)
     allowed = _allowed_modules(raw, config, fail)
-    tensors = _read_tensors(directory, fail)
+    covered = "every module of this model" if allowed is None else f"the {len(allowed)} module{'s' * (len(allowed) != 1)} {CONFIG_FILE} targets"
+    bound_reason = f"the most an adapter of rank {rank} for {covered} can hold"
+    tensors = _read_tensors(directory, weights_bound(config, rank, allowed), bound_reason, fail)
 
     factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
@@ -142,13 +160,15 @@ def _short(layer: int, target: str) -> str:
 def _read_config(directory: Path, fail) -> dict[str, Any]:
     if not directory.is_dir():
         raise fail(f"{directory} is not a directory")
-    file = directory / CONFIG_FILE
-    if not file.is_file():
-        raise fail(f"no {CONFIG_FILE} in {directory}")
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise fail(f"{CONFIG_FILE} cannot be read: {exc}") from exc
+        text = read_text(directory / CONFIG_FILE, MAX_JSON)
+    except FileRefused as exc:
+        # The file's name alone, never the path: what a tenant is told says nothing of the server's directories.
+        raise fail(f"no {CONFIG_FILE} in {directory}" if exc.missing else _refused(CONFIG_FILE, exc)) from None
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise fail(f"{CONFIG_FILE} cannot be read: {exc}") from None
     if not isinstance(raw, dict):
         raise fail(f"{CONFIG_FILE} is not a JSON object")
 
@@ -168,6 +188,11 @@ def _read_config(directory: Path, fail) -> dict[str, Any]:
         if raw.get(key):
             raise fail(f"{key} is not supported (one rank and alpha for every module)")
     return raw
+
+
+def _refused(file: str, exc: FileRefused) -> str:
+    """Why ``file`` (its name alone, never its path) was not read."""
+    return f"{file} {exc.problem}" if exc.problem.startswith("is ") else f"{file} cannot be read: {exc.problem}"
 
 
 def _rank_and_scale(raw: dict[str, Any], max_rank: int, fail) -> tuple[int, float]:
@@ -237,19 +262,39 @@ def _fullmatches(spec: str, names: list[str], fail) -> list[bool]:
     return reply["matches"]
 
 
-def _read_tensors(directory: Path, fail) -> dict[str, torch.Tensor]:
-    file = directory / WEIGHTS_FILE
-    if not file.is_file():
-        if (directory / PICKLE_FILE).is_file():
+def weights_bound(config: ModelConfig, rank: int, allowed: set[tuple[int, str]] | None) -> int:
+    """The most bytes a weights file of an adapter of ``rank`` can hold on a
+    model of ``config`` and still be loaded: an A [rank, in] and a B [out,
+    rank] for each module it may cover (those ``allowed``, or every one when
+    the config does not say), at WEIGHT_VALUE_BYTES a value, plus the
+    header's room. A bigger file cannot be a valid adapter, so refusing it
+    by its size turns nothing good away, and no more than this is read."""
+    modules = allowed if allowed is not None else {(i, t) for i in range(config.num_layers) for t in TARGETS}
+    values = sum(rank * sum(io_features(config, target)) for _, target in modules)
+    return values * WEIGHT_VALUE_BYTES + HEADER_SLACK_BYTES + HEADER_BYTES_PER_TENSOR * 2 * len(modules)
+
+
+def _read_tensors(directory: Path, bound: int, bound_reason: str, fail) -> dict[str, torch.Tensor]:
+    """Every tensor of the weights file, read whole (at most ``bound``
+    bytes, which ``bound_reason`` explains) from one descriptor checked to
+    be a regular file: nothing opens the path again, so nothing can swap
+    the file after it was checked."""
+    try:
+        data = read_bytes(directory / WEIGHTS_FILE, bound)
+    except FileRefused as exc:
+        if not exc.missing:
+            why = f" ({bound_reason})" if exc.oversize else ""
+            raise fail(f"{_refused(WEIGHTS_FILE, exc)}{why}") from None
+        if is_regular_file(directory / PICKLE_FILE):
             raise fail(f"{directory} has only {PICKLE_FILE}, a pickle file, which is not loaded (it can run code); "
                        f"convert it to {WEIGHTS_FILE} (e.g. load and save the adapter with PEFT's "
-                       "save_pretrained(..., safe_serialization=True))")
-        raise fail(f"no {WEIGHTS_FILE} in {directory}")
+                       "save_pretrained(..., safe_serialization=True))") from None
+        raise fail(f"no {WEIGHTS_FILE} in {directory}") from None
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            return {key: handle.get_tensor(key) for key in handle.keys()}
-    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
-        raise fail(f"{WEIGHTS_FILE} cannot be read: {exc}") from exc
+        tensors = load_safetensors(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError, and KeyError, ValueError for odd dtypes or shapes
+        raise fail(f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+    return {name: tensors[name] for name in sorted(tensors)}  # in name order, as safe_open lists them: the same first refusal every time
 
 
 def _parse_name(tensor_name: str, config: ModelConfig, fail) -> tuple[int, str, str]:
