@@ -12,13 +12,14 @@ import httpx
 import pytest
 import trio
 
-from tests.http.conftest import MODEL_NAME, assert_error, kv_bytes, make_settings, read_sse, start_server
+from tests.http.conftest import MAX_MODEL_LEN, MODEL_NAME, assert_error, kv_bytes, make_settings, read_sse, start_server
 from tests.tiny_model import tiny_weights, train_tiny_tokenizer, write_gguf
 
 TIMEOUT = 60
 KEY = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 POOL = kv_bytes(1024)  # each tiny model's KV pool in these tests
+ROPE = 2 * MAX_MODEL_LEN * 8 * 4  # and its RoPE tables: cos and sin, 256 positions x 8 frequencies (head size 16), float32
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ async def test_load_serve_and_unload_a_model_while_the_first_serves(nursery, tin
             assert await greedy(client, MODEL_NAME) == first  # the first one unchanged
             listing = (await client.get("/admin/models", headers=ADMIN)).json()
             other = next(m for m in listing["data"] if m["name"] == "other")
-            assert other["memory_bytes"] == other_gguf.stat().st_size + POOL
+            assert other["memory_bytes"] == other_gguf.stat().st_size + POOL + ROPE
             assert other["requests_in_flight"] == 0
 
             gone = await client.post("/admin/models/unload", headers=ADMIN, json={"name": "other"})
@@ -140,7 +141,7 @@ async def test_unload_drains_a_stream_in_flight(nursery, tiny_gguf, other_gguf, 
 async def test_admin_refusals_leave_the_registry_unchanged(nursery, tiny_gguf, other_gguf, tmp_path):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
-    budget = tiny_gguf.stat().st_size + POOL + 4096  # room for the first model and a few KiB more
+    budget = tiny_gguf.stat().st_size + POOL + ROPE + 4096  # room for the first model and a few KiB more
     url = await start_server(nursery, admin_settings(tiny_gguf, memory_budget=budget))
     with trio.fail_after(TIMEOUT):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:

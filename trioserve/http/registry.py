@@ -19,7 +19,11 @@ models, the shared routes and later loads go on.
 409), admit it against ``--memory-budget`` (a load that cannot fit is
 refused with the numbers and leaves nothing behind), load it, one load at
 a time, while every other model keeps serving, and publish it (one
-assignment). A failed load frees the name and says why in one line.
+assignment). A failed load frees the name and says why in one line. The
+budget counts a model's weights file, its KV pool and its RoPE tables;
+the tables' size needs the model's settings, read (off the event loop) as
+its load begins, so a model that fits by its file and pool may still be
+refused there, before anything of it is made.
 
 `Registry.unload` stops routing to the model, waits up to ``timeout_s`` for
 its requests in flight (each HTTP request holds the model from its route
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import sys
 import traceback
 from collections.abc import AsyncIterator
@@ -47,6 +52,7 @@ from trioserve.http.errors import HTTPError
 from trioserve.http.in_flight import at_request_end
 from trioserve.models.chat_template import ChatTemplate
 from trioserve.models.checkpoint import Checkpoint
+from trioserve.models.config import ModelConfig
 from trioserve.models.lora import load_lora_adapter
 from trioserve.models.output_parser import THINK_OPEN
 from trioserve.progress import ProgressBar
@@ -102,6 +108,7 @@ class Model(Held):
         self.reasoning = False  # split <think> reasoning out of replies
         self.scope = trio.CancelScope()  # cancelled: the engine stops
         self.stopped = trio.Event()  # the engine's block is left: its memory is let go
+        self.rope = RopeTables(0, 0, 0)  # its RoPE tables, once its settings are read (`Registry.load`)
 
     @property
     def state(self) -> str:
@@ -126,8 +133,9 @@ class Model(Held):
     @property
     def bytes(self) -> int:
         """What the memory budget counts for this model: its weights file
-        (the directory's files for a Hugging Face one) plus its KV pool."""
-        return weights_bytes(self.config.model) + self.config.kv_cache_bytes
+        (the directory's files for a Hugging Face one), its KV pool, and
+        its RoPE tables (0 until its settings are read)."""
+        return weights_bytes(self.config.model) + self.config.kv_cache_bytes + self.rope.bytes
 
     async def serve(self, named: bool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the engine until `scope` is cancelled. Reports started once
@@ -252,6 +260,57 @@ class Adapter(Held):
         return {**out, "path": self.path} if with_path else out
 
 
+class RopeTables:
+    """The size of a model's RoPE tables, as the model makes them
+    (models/decoder.py `rope_tables`): a cos and a sin table, float32,
+    [positions, head_dim / 2] each, where positions is min(the file's
+    context length, --max-model-len), one such pair per RoPE base its
+    layers use (a family with local sliding-window layers of their own base
+    has two). So bytes = pairs x 2 x positions x head_dim / 2 x 4."""
+
+    def __init__(self, positions: int, head_dim: int, pairs: int) -> None:
+        self.positions = positions
+        self.head_dim = head_dim
+        self.pairs = pairs
+        self.bytes = pairs * 2 * positions * (head_dim // 2) * 4
+
+    @classmethod
+    def of(cls, config: ModelConfig, max_model_len: int | None) -> RopeTables:
+        positions = config.max_position if max_model_len is None else max(1, min(config.max_position, max_model_len))
+        local = getattr(config, "rope_local_theta", None)
+        pairs = 2 if local is not None and local != config.rope_theta else 1
+        return cls(positions, config.head_dim, pairs)
+
+    def describe(self) -> str:
+        pairs = "" if self.pairs == 1 else f"{self.pairs} pairs of "
+        return f"{pairs}cos and sin for {self.positions} positions x {self.head_dim // 2} frequencies, float32"
+
+
+def declared_config(path: str) -> ModelConfig | None:
+    """The settings of the model at ``path`` (a GGUF file's metadata, a
+    Hugging Face directory's config.json), read as the loader reads them
+    but without any weights; None where they cannot be read (the load then
+    says why). Blocking: a GGUF header of a large vocabulary takes tenths
+    of a second to walk."""
+    from trioserve.models.checkpoint import resolve_model_path
+    from trioserve.models.config import config_from_gguf, config_from_hf
+    from trioserve.models.files import MAX_JSON, FileRefused, read_text
+    from trioserve.models.gguf_file import open_reader
+
+    try:
+        where = Path(resolve_model_path(path))
+        if where.is_dir():
+            return config_from_hf(json.loads(read_text(where / "config.json", MAX_JSON)), where / "config.json")
+        reader = open_reader(where)  # a regular file's, checked before it is opened
+        names = {t.name: t for t in reader.tensors}
+        embed = names.get("token_embd.weight")
+        if embed is None or not embed.shape:
+            return None
+        return config_from_gguf(reader.metadata, where, vocab_size=int(embed.shape[-1]), tie_embeddings="output.weight" not in names)
+    except (OSError, ValueError, RecursionError, FileRefused, CheckpointError, TrioserveError):
+        return None
+
+
 def weights_bytes(path: str) -> int:
     """The size of a model's weights on disk: a file's, or the weight files
     of a directory (0 where it cannot be read: the load then says why)."""
@@ -328,25 +387,40 @@ class Registry:
         if taken is not None:
             raise HTTPError(409, f"the model name {name!r} is {_taken(taken)}", param="name", code="model_exists")
         model = Model(name, config, reasoning_parser=self.settings.reasoning_parser, checkpoint=checkpoint)
-        budget = self.settings.memory_budget
-        if budget is not None:
-            used = sum(m.bytes for m in self.models.values())
-            need = model.bytes
-            if used + need > budget:
-                raise HTTPError(
-                    400,
-                    f"loading {name!r} needs {need} bytes (weights {need - config.kv_cache_bytes} + KV pool {config.kv_cache_bytes}); "
-                    f"the served models take {used} of the {budget}-byte --memory-budget, leaving {budget - used}",
-                    param="path", code="over_memory_budget",
-                )  # fmt: skip
+        self._check_budget(model)  # its file and KV pool; its RoPE tables are counted as its load begins
         self.models[name] = model
         return model
 
+    def _check_budget(self, model: Model) -> None:
+        """400 over_memory_budget when ``model`` does not fit beside the
+        other models (those loading counted) within --memory-budget."""
+        budget = self.settings.memory_budget
+        if budget is None:
+            return
+        used = sum(m.bytes for m in self.models.values() if m is not model)
+        need = model.bytes
+        if used + need <= budget:
+            return
+        kv, rope = model.config.kv_cache_bytes, model.rope
+        parts = f"weights {need - kv - rope.bytes} + KV pool {kv}" + (f" + RoPE tables {rope.bytes}: {rope.describe()}" if rope.bytes else "")
+        raise HTTPError(
+            400,
+            f"loading {model.name!r} needs {need} bytes ({parts}); "
+            f"the served models take {used} of the {budget}-byte --memory-budget, leaving {budget - used}",
+            param="path", code="over_memory_budget",
+        )  # fmt: skip
+
     async def load(self, model: Model, *, named: bool = True) -> Model:
         """Load a reserved model, one load at a time, and publish it. A
-        failure frees its name and is raised."""
+        failure frees its name and is raised. First its RoPE tables are
+        counted against the budget (their size is in its settings, read
+        here, in a thread), before any of it is made."""
         try:
             async with self._load_lock:
+                settings = model.checkpoint.config if model.checkpoint is not None else await trio.to_thread.run_sync(declared_config, model.config.model)
+                if settings is not None:  # None: unreadable, and the load says why
+                    model.rope = RopeTables.of(settings, model.config.max_model_len)
+                    self._check_budget(model)  # the sum and the check with no await between: every other load's tables are in
                 await self._nursery.start(model.serve, named)
         except BaseException:
             if self.models.get(model.name) is model:
