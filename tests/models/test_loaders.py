@@ -340,10 +340,11 @@ def gguf_nan_head_q4_1(tmp, ck, mp):
     return path, path, "corrupt tensor 'output.weight': contains NaN or infinity"
 
 
-def gguf_llama_tokenizer(tmp, ck, mp):
-    _tokenizer_meta(mp, **{"tokenizer.ggml.model": "llama"})
-    path = _gguf(tmp, "spm.gguf")
-    return path, path, "bad tokenizer metadata: tokenizer model 'llama' is not supported"
+def gguf_t5_tokenizer(tmp, ck, mp):
+    # "llama" (SentencePiece) loads now: tests/models/test_spm_tokenizer.py
+    _tokenizer_meta(mp, **{"tokenizer.ggml.model": "t5"})
+    path = _gguf(tmp, "t5.gguf")
+    return path, path, "bad tokenizer metadata: tokenizer model 't5' is not supported"
 
 
 def gguf_bad_merge(tmp, ck, mp):
@@ -411,7 +412,7 @@ BAD = [
     gguf_inf_scale_q5_0,
     gguf_inf_scale_q8_0,
     gguf_nan_head_q4_1,
-    gguf_llama_tokenizer,
+    gguf_t5_tokenizer,
     gguf_bad_merge,
     hf_without_config,
     hf_gpt2_model_type,

@@ -170,7 +170,8 @@ def test_pre_tokenizer_variants_split_digits(pre, pieces):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"tokenizer.ggml.model": "llama"}, "'llama' is not supported"),
+        # "llama" (SentencePiece) loads now: tests/models/test_spm_tokenizer.py
+        ({"tokenizer.ggml.model": "t5"}, "tokenizer model 't5' is not supported"),
         ({"tokenizer.ggml.tokens": None}, "lacks 'tokenizer.ggml.tokens'"),
         ({"tokenizer.ggml.model": None}, "lacks 'tokenizer.ggml.model'"),
         ({"tokenizer.ggml.eos_token_id": None}, "lacks 'tokenizer.ggml.eos_token_id'"),

@@ -6,6 +6,13 @@ turning checkpoint metadata into one configured `tokenizers.Tokenizer`, the
 special-token bookkeeping (BOS, EOS, stop ids, which ids are control tokens)
 and the exact bytes behind every id, which the detokenizer streams from.
 
+Two kinds of GGUF vocabulary load: byte-level BPE (`tokenizer.ggml.model`
+"gpt2") and SentencePiece ("llama": Llama 2, Mistral, Gemma). The latter is
+split and merged by trioserve.models.spm, in Python, exactly as llama.cpp
+does (a rank-ordered `tokenizers` BPE differs where scores tie); a
+`tokenizers` twin of it is kept for its vocabulary and for the libraries
+that read one (llguidance).
+
 Special (control) tokens come only from text the server itself writes: a
 chat template's output is encoded with `encode_rendered`, where the pieces a
 request brought that spell a control token stand behind placeholders and are
@@ -14,7 +21,8 @@ text that way; the default still turns special-token text into its id.
 
 Long texts are encoded through the `tokenizers` batch call, which releases
 the GIL while it works, so a thread encoding a huge prompt does not stall
-the event loop."""
+the event loop. (SentencePiece encoding holds it: about 0.7 s a megabyte
+of new text, a tenth of that for words seen before.)"""
 
 from __future__ import annotations
 
@@ -30,9 +38,17 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from trioserve.errors import TokenizerError
 from trioserve.models.files import MAX_JSON, MAX_TEMPLATE, MAX_TOKENIZER_JSON, FileRefused, read_text
+from trioserve.models.spm import SPACE, SpmVocab
 
 # Token types in GGUF's tokenizer.ggml.token_type that are matched as whole ids.
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+# End-of-turn pieces llama.cpp recognises by their text (Gemma's
+# <end_of_turn>, which files do not name as EOT): a SentencePiece
+# vocabulary's control pieces among them stop generation too.
+_EOT_TEXTS = frozenset(
+    ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|eom_id|>"]
+)
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -119,9 +135,14 @@ class Tokenizer:
         extra_stop_ids: Sequence[int] = (),
         add_bos: bool = False,
         chat_template: str | None = None,
+        spm: SpmVocab | None = None,
+        add_eos: bool = False,
     ) -> None:
         self._backend = backend
         self.byte_level = byte_level
+        # A SentencePiece vocabulary from GGUF encodes and decodes itself
+        # (llama.cpp's way); `backend` is then its `tokenizers` twin.
+        self._spm = spm
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         for name, tid in [("bos", bos_id), ("eos", eos_id), *(("stop", t) for t in extra_stop_ids)]:
             if tid is not None and not (isinstance(tid, int) and 0 <= tid < self.vocab_size):
@@ -130,6 +151,7 @@ class Tokenizer:
         self.eos_id = eos_id
         self.stop_ids: frozenset[int] = frozenset([eos_id, *extra_stop_ids])
         self.add_bos = bool(add_bos) and bos_id is not None
+        self.add_eos = bool(add_eos)
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self._special = frozenset(i for i, t in added.items() if t.special)
@@ -140,7 +162,13 @@ class Tokenizer:
         self._special_ids = [i for i, _ in longest_first]  # by the pattern's group number - 1
         self._plain_backend: tokenizers.Tokenizer | None = None
         self._plain_lock = threading.Lock()
-        self._bytes = [self._compute_bytes(i, added) for i in range(self.vocab_size)]
+        self._twin_json: str | None = None
+        if spm is not None:
+            self._bytes = spm.token_bytes()
+            if len(self._bytes) != self.vocab_size:
+                raise TokenizerError(f"{len(self._bytes)} pieces but a vocabulary of {self.vocab_size}")
+        else:
+            self._bytes = [self._compute_bytes(i, added) for i in range(self.vocab_size)]
         self.bos_token: str | None = None if bos_id is None else self._text_of(bos_id)
         self.eos_token: str = self._text_of(eos_id)
 
@@ -168,12 +196,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """A byte-level BPE tokenizer from GGUF `tokenizer.*` metadata; raises
+        """A tokenizer from GGUF `tokenizer.*` metadata: byte-level BPE
+        (`tokenizer.ggml.model` "gpt2") or SentencePiece ("llama"); raises
         TokenizerError for other tokenizer models or missing/inconsistent keys."""
         kind = _require(meta, "tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_spm(meta)
         if kind != "gpt2":
             raise TokenizerError(
-                f"tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE)"
+                f"tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE, and 'llama', SentencePiece)"
             )
         tokens = list(_require(meta, "tokenizer.ggml.tokens"))
         merges = list(_require(meta, "tokenizer.ggml.merges"))
@@ -211,6 +242,55 @@ class Tokenizer:
             extra_stop_ids=extra,
             add_bos=meta.get("tokenizer.ggml.add_bos_token", False),
             chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def _from_gguf_spm(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """A SentencePiece vocabulary (`tokenizer.ggml.model` "llama"): pieces,
+        their scores and types, with llama.cpp's defaults where a key is
+        missing (BOS 1, EOS 2, UNK 0, add BOS, add the space prefix)."""
+        tokens = list(_require(meta, "tokenizer.ggml.tokens"))
+        n = len(tokens)
+        scores = list(meta.get("tokenizer.ggml.scores", [0.0] * n))
+        types = meta.get("tokenizer.ggml.token_type")
+        types = None if types is None else list(types)
+
+        def special_id(key: str, default: int | None) -> int | None:
+            tid = meta.get(key, default)
+            if key not in meta and tid is not None and tid >= n:
+                return None  # a default outside a small vocabulary: none
+            return tid
+
+        bos_id = special_id("tokenizer.ggml.bos_token_id", 1)
+        eos_id = special_id("tokenizer.ggml.eos_token_id", 2)
+        unk_id = special_id("tokenizer.ggml.unknown_token_id", 0)
+        if eos_id is None:
+            raise TokenizerError("tokenizer metadata lacks 'tokenizer.ggml.eos_token_id'")
+        for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id)):
+            if tid is not None and not (isinstance(tid, int) and 0 <= tid < n):
+                raise TokenizerError(f"{name} token id {tid} is outside the vocabulary of {n}")
+        add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        spm = SpmVocab(
+            tokens,
+            scores,
+            types,
+            add_space_prefix=add_prefix,
+            unk_id=unk_id,
+            control_ids=[i for i in (bos_id, eos_id, unk_id) if i is not None],
+        )
+        backend = _spm_backend(spm, merges=False)
+        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+        extra += [i for i, tok in enumerate(spm.tokens) if tok in _EOT_TEXTS and spm.types[i] == _CONTROL]
+        return cls(
+            backend,
+            byte_level=False,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            extra_stop_ids=extra,
+            add_bos=meta.get("tokenizer.ggml.add_bos_token", True),
+            add_eos=meta.get("tokenizer.ggml.add_eos_token", False),
+            chat_template=meta.get("tokenizer.chat_template"),
+            spm=spm,
         )
 
     @classmethod
@@ -275,15 +355,25 @@ class Tokenizer:
         )
 
     def backend_json(self) -> str:
-        """The `tokenizers` serialization (for llguidance's tokenizer)."""
-        return self._backend.to_str()
+        """The `tokenizers` serialization (for llguidance's tokenizer). For a
+        GGUF SentencePiece vocabulary, a BPE twin with merges from the scores
+        (made on first use: about a second for a 256k vocabulary)."""
+        if self._spm is None:
+            return self._backend.to_str()
+        with self._plain_lock:
+            if self._twin_json is None:
+                self._twin_json = _spm_backend(self._spm, merges=True).to_str()
+            return self._twin_json
 
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids for `text`. With `special` (the default) special-token
         text in it becomes its single id; without, it is tokenized as the
         text it is. BOS is prepended when `add_bos` (default: the
         checkpoint's setting). Thread-safe."""
-        ids = _encode_with(self._backend if special else self._plain(), text)
+        if self._spm is not None:
+            ids = self._spm.encode(text, parse_special=special)
+        else:
+            ids = _encode_with(self._backend if special else self._plain(), text)
         return self._with_bos(ids, add_bos)
 
     def encode_rendered(self, text: str, literals: Mapping[str, str], *, add_bos: bool | None = None) -> list[int]:
@@ -325,7 +415,12 @@ class Tokenizer:
     def _flush(self, run: list[str], ids: list[int]) -> None:
         text = "".join(run)
         run.clear()
-        if text:
+        if not text:
+            return
+        if self._spm is not None:
+            # Like llama.cpp, a run after a special token gets the space prefix.
+            ids.extend(self._spm.encode(text, parse_special=False))
+        else:
             ids.extend(_encode_with(self._plain(), text))
 
     def _plain(self) -> tokenizers.Tokenizer:
@@ -342,17 +437,27 @@ class Tokenizer:
         return backend
 
     def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
+        """BOS first when `add_bos` (default: the checkpoint's setting); EOS
+        last where the checkpoint adds one, unless `add_bos` is False (no
+        special tokens at all)."""
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
+        if self.add_eos and add_bos is not False:
+            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        """The text of `ids`. Byte-level: the tokens' bytes decoded as UTF-8 with
-        invalid sequences as U+FFFD (exactly what the detokenizer streams)."""
-        if not self.byte_level:
+        """The text of `ids`. Byte-level and GGUF SentencePiece: the tokens'
+        bytes decoded as UTF-8 with invalid sequences as U+FFFD (exactly what
+        the detokenizer streams); SentencePiece then without the one leading
+        space its prefix added, as llama.cpp and Hugging Face decode."""
+        if not self.byte_level and self._spm is None:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special)
         skip = self._special if skip_special else frozenset()
-        return b"".join(self.token_bytes(i) for i in ids if i not in skip).decode("utf-8", errors="replace")
+        text = b"".join(self.token_bytes(i) for i in ids if i not in skip).decode("utf-8", errors="replace")
+        if self._spm is not None and self._spm.add_space_prefix and text.startswith(" "):
+            return text[1:]
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes `token_id` stands for (special tokens: their text)."""
@@ -363,6 +468,33 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special (control) token, skipped by `decode`."""
         return token_id in self._special
+
+
+def _spm_backend(spm: SpmVocab, *, merges: bool) -> tokenizers.Tokenizer:
+    """The `tokenizers` twin of a SentencePiece vocabulary, as Hugging Face
+    builds one from a GGUF: BPE over the pieces (with `merges`, merges from
+    the scores), byte fallback, Metaspace, and the special pieces as added
+    tokens. Other libraries read it (llguidance); trioserve's own encoding
+    does not use it, and the Tokenizer needs only its vocabulary."""
+    vocab = {tok: i for i, tok in enumerate(spm.tokens)}
+    unk = None if spm.unk_id is None else spm.tokens[spm.unk_id]
+    try:
+        bpe = models.BPE(vocab, spm.merges() if merges else [], unk_token=unk, byte_fallback=True, fuse_unk=True)
+    except Exception as exc:  # the Rust side reports any inconsistency as a plain Exception
+        raise TokenizerError(f"cannot build BPE from the SentencePiece vocabulary: {exc}") from exc
+    backend = tokenizers.Tokenizer(bpe)
+    scheme = "first" if spm.add_space_prefix else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if spm.add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    special = [(tok, kind) for tok, kind in zip(spm.tokens, spm.types, strict=True)]
+    backend.add_special_tokens(
+        [AddedToken(tok, special=True, normalized=False) for tok, kind in special if kind in (_CONTROL, _UNKNOWN)]
+    )
+    backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, kind in special if kind == _USER_DEFINED])
+    return backend
 
 
 def _special_pattern(tokens: Sequence[AddedToken]) -> re.Pattern[str] | None:
