@@ -100,8 +100,9 @@ def gguf_tensor_name(family: str, name: str) -> str:
     return f"blk.{layer}.{({**_LAYER, **_LAYER_BY_FAMILY[family]})[rest]}"
 
 
-def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32) -> Path:
-    """``model``'s weights as a GGUF of ``family``'s architecture, as
+def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32, extra: dict | None = None) -> Path:
+    """``model``'s weights as a GGUF of ``family``'s architecture (and the
+    metadata ``extra``: ints as uint32, texts as strings), as
     llama.cpp's converter writes them (no Q/K interleave for these
     families; Gemma's norms stored as 1 + w), matrices in ``qtype``."""
     shape = SHAPES[family]
@@ -119,7 +120,7 @@ def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q
     writer.add_rope_freq_base(10000.0 if family == "phi3" else 1000000.0)
     if family in ("gemma3", "phi3"):
         writer.add_sliding_window(shape["sliding_window"])
-    for key, value in gguf_tokenizer_metadata(tokenizer).items():
+    for key, value in {**gguf_tokenizer_metadata(tokenizer), **(extra or {})}.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
         elif isinstance(value, int):

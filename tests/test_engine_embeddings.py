@@ -162,15 +162,15 @@ async def test_impossible_and_malformed_embeddings_are_refused_by_name(ckpt):
 
 
 def test_embedding_pooling_is_a_checked_setting_flag_and_variable(capsys):
-    assert EngineConfig().embedding_pooling == "mean"
+    assert EngineConfig().embedding_pooling == "auto"  # the file's pooling, else mean (tests/http/test_model_purpose.py)
     assert EngineConfig(embedding_pooling="last").embedding_pooling == "last"
     with pytest.raises(ValueError, match="embedding_pooling"):
         EngineConfig(embedding_pooling="max")
     assert settings_from_env({"TRIOSERVE_EMBEDDING_POOLING": "last"}).engine.embedding_pooling == "last"
-    with pytest.raises(ValueError, match="TRIOSERVE_EMBEDDING_POOLING: must be one of mean, last, got 'max'"):
+    with pytest.raises(ValueError, match="TRIOSERVE_EMBEDDING_POOLING: must be one of auto, mean, last, got 'max'"):
         settings_from_env({"TRIOSERVE_EMBEDDING_POOLING": "max"})
     parser = build_parser()
-    assert parser.parse_args(["serve"]).embedding_pooling == "mean"
+    assert parser.parse_args(["serve"]).embedding_pooling == "auto"
     assert parser.parse_args(["serve", "--embedding-pooling", "last"]).embedding_pooling == "last"
     with pytest.raises(SystemExit) as refused:
         parser.parse_args(["serve", "--embedding-pooling", "max"])

@@ -74,12 +74,14 @@ def gguf_tokenizer_metadata(tok: tokenizers.Tokenizer, *, chat_template: str | N
     tokens = [""] * len(vocab)
     for text, i in vocab.items():
         tokens[i] = text
-    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    added = tok.get_added_tokens_decoder()
+    special = {i for i, t in added.items() if t.special}
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3 if i in special else 1 for i in range(len(tokens))],
+        # control (3) for special tokens, user-defined (4) for other added ones, as llama.cpp's converter writes them
+        "tokenizer.ggml.token_type": [3 if i in special else 4 if i in added else 1 for i in range(len(tokens))],
         "tokenizer.ggml.merges": _merges(tok),
         "tokenizer.ggml.bos_token_id": BOS_ID,
         "tokenizer.ggml.eos_token_id": EOS_ID,

@@ -37,6 +37,7 @@ from trioserve.models.guided import GuideCompiler
 from trioserve.models.decoder import DecoderModel
 from trioserve.models.sampling import new_seed
 from trioserve.models.step_runner import StepRunner, thread_governor
+from trioserve.models.config import ModelConfig
 from trioserve.models.tokenizer import Tokenizer
 from trioserve.state.kv_pool import blocks_for_budget
 from trioserve.state.stats import EngineStats
@@ -55,8 +56,10 @@ class Engine:
         guides: GuideCompiler,
         hidden_size: int = 0,
         activations: str = "bf16",
+        model_config: ModelConfig | None = None,
     ):
         self.config = config
+        self.model_config = model_config  # the checkpoint's settings: its family, pooling, reranking prompt
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.hidden_size = hidden_size  # the length of the vectors `embed` gives
@@ -108,6 +111,21 @@ class Engine:
         (a response body that never started)."""
         return Generation(self, request)
 
+    @property
+    def embedding_pooling(self) -> str:
+        """How `embed` pools: --embedding-pooling, where `auto` is what the
+        model file declares (mean or last), else mean."""
+        chosen = self.config.embedding_pooling
+        if chosen != "auto":
+            return chosen
+        declared = self.model_config.pooling if self.model_config is not None else None
+        return declared if declared in ("mean", "last") else "mean"
+
+    @property
+    def is_reranker(self) -> bool:
+        """The model file says it is a reranker (GGUF pooling_type rank)."""
+        return self.model_config is not None and self.model_config.pooling == "rank"
+
     async def embed(self, prompt_ids, *, request_id: str | None = None, adapter: str | None = None) -> FinalEvent:
         """Embed one prompt: an embedding request (GenerateRequest.pooling,
         config.embedding_pooling) through the same scheduler as generation.
@@ -116,7 +134,7 @@ class Engine:
         `open_generation` does; cancelled, the request is cancelled and its
         blocks freed within one step."""
         request = GenerateRequest(
-            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0, seed=0), request_id=request_id, pooling=self.config.embedding_pooling,
+            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0, seed=0), request_id=request_id, pooling=self.embedding_pooling,
             adapter=adapter,
         )
         final = None
@@ -382,7 +400,8 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Deco
             await nursery.start(_contained, scheduler, "worker", run_worker, runner, worker_recv, device)
             await nursery.start(_contained, scheduler, "scheduler", run_scheduler, scheduler, inbox_recv)
             engine = Engine(
-                config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations
+                config, checkpoint.tokenizer, max_len, scheduler, inbox_send, guides, checkpoint.config.hidden_size, model.kernels.activations,
+                checkpoint.config,
             )
             engine.trace_path = None if writer is None else writer.path
             engine.compute = compute_card(model)

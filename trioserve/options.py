@@ -51,9 +51,9 @@ KERNEL_CHOICES = ("auto", "reference", "triton")  # the first is the default (ke
 ACTIVATION_CHOICES = ("auto", "bf16", "int8")
 # The KV pool's dtype: auto is the weights'; a float32 model on a CPU may keep a bfloat16 pool.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
-EMBEDDING_POOLING = ("mean", "last")  # the first is the default (trioserve.types.POOLING_MODES holds both)
+EMBEDDING_POOLING = ("auto", "mean", "last")  # the first is the default; auto: the model file's (trioserve.types.POOLING_MODES: mean, last)
 REASONING_PARSERS = ("auto", "on", "off")
-RERANK_METHODS = ("embedding", "yes-no")  # the first is the default (http/rerank.py)
+RERANK_METHODS = ("auto", "embedding", "yes-no")  # the first is the default; auto: yes-no for a reranker file (http/rerank.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREFIX_CACHE_SCOPES = ("auto", "tenant", "global")
 
@@ -178,7 +178,9 @@ OPTIONS: tuple[Option, ...] = (
        "TRIOSERVE_SPECULATIVE_TOKENS"),
     _o("--embedding-pooling", "engine.embedding_pooling", TEXT, EMBEDDING_POOLING[0],
        "how `/v1/embeddings` pools an input's final hidden states (after the last RMSNorm) into its vector: `mean` "
-       "over all its tokens, or `last`, the last token's; either is then scaled to length 1 (docs/embeddings.md)",
+       "over all its tokens, or `last`, the last token's; either is then scaled to length 1; `auto`: what the model "
+       "file declares (a GGUF's `pooling_type`, a sentence-transformers directory's pooling module: Qwen3-Embedding "
+       "says `last`), else `mean` (docs/embeddings.md)",
        "TRIOSERVE_EMBEDDING_POOLING", choices=EMBEDDING_POOLING),
     _o("--lora", "loras", TEXT, (),
        "a LoRA adapter in PEFT's layout (a directory with `adapter_config.json` and `adapter_model.safetensors`) "
@@ -197,7 +199,8 @@ OPTIONS: tuple[Option, ...] = (
        "how `/v1/rerank` and `/v1/score` score a query against a document: `embedding`, the cosine of their pooled "
        "embeddings (`--embedding-pooling`), or `yes-no`, the probability that the model answers \"yes\" rather than "
        "\"no\" when asked in its chat template whether the document meets the query, as Qwen3-Reranker-style models "
-       "are used (docs/api.md, \"Rerank and score\")", "TRIOSERVE_RERANK_METHOD", choices=RERANK_METHODS),
+       "are used; `auto`: `yes-no` for a model whose file says it is a reranker (a GGUF with `pooling_type` rank), "
+       "else `embedding` (docs/api.md, \"Rerank and score\")", "TRIOSERVE_RERANK_METHOD", choices=RERANK_METHODS),
     _o("--allow-special-in-prompt", "allow_special_in_prompt", SWITCH, False,
        "a `/v1/completions` text prompt that spells a special token (`<|im_start|>`) gets its id; off, it is "
        "tokenized as text like all client text (see api.md, \"Special tokens\")", "TRIOSERVE_ALLOW_SPECIAL_IN_PROMPT"),

@@ -239,11 +239,11 @@ async def test_every_bad_body_is_refused_naming_its_field(server):
 
 
 def test_the_method_is_a_server_setting_with_its_variable():
-    assert ServerSettings().rerank_method == "embedding"
+    assert ServerSettings().rerank_method == "auto"  # yes-no for a reranker file (tests/http/test_model_purpose.py), else embedding
     assert settings_from_env({"TRIOSERVE_RERANK_METHOD": "yes-no"}).rerank_method == "yes-no"
     with pytest.raises(ValueError, match="TRIOSERVE_RERANK_METHOD"):
         settings_from_env({"TRIOSERVE_RERANK_METHOD": "cross"})
-    with pytest.raises(ValueError, match="must be one of embedding, yes-no"):
+    with pytest.raises(ValueError, match="must be one of auto, embedding, yes-no"):
         ServerSettings(rerank_method="cross")
 
 

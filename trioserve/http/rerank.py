@@ -254,15 +254,28 @@ def judge_prompt_ids(tokenizer, template, query: str, document: str) -> list[int
         return render_prompt_ids(tokenizer, template, [{"role": "user", "content": f"{JUDGE_INSTRUCTION}\n\n{user}"}])
 
 
+def file_prompt_ids(tokenizer, template: str, query: str, document: str) -> list[int]:
+    """The prompt for one pair through the reranking prompt the model file
+    carries (a GGUF's `tokenizer.chat_template.rerank`, as llama.cpp's
+    converter writes Qwen3-Reranker's): the template's special-token text
+    read as its ids, the query and the document as plain text, tokenized
+    together with the text around them (`Tokenizer.encode_rendered`)."""
+    return tokenizer.encode_rendered(template, {"{query}": query, "{document}": document}, add_bos=False)
+
+
 def _judge_setup(engine, model: Model, pairs: Pairs) -> tuple[AnswerIds, list[list[int]]]:
     """The answers' ids and every pair's prompt, each short enough to
     leave room for the one answer token. Blocking: run in a thread."""
     answers = answer_ids(engine.tokenizer, model.name)
     limit = input_limit(engine) - 1
+    own = engine.model_config.rerank_template if engine.model_config is not None else None
     prompts = []
     for i in range(len(pairs)):
         query = pairs.left.items[pairs.left_index(i)]
-        ids = judge_prompt_ids(engine.tokenizer, model.template, query, pairs.right.items[i])
+        if own is not None:
+            ids = file_prompt_ids(engine.tokenizer, own, query, pairs.right.items[i])
+        else:
+            ids = judge_prompt_ids(engine.tokenizer, model.template, query, pairs.right.items[i])
         if len(ids) > limit:
             name = pairs.right.field(i)
             raise RequestTooLarge(
@@ -330,10 +343,18 @@ async def _yes_no_scores(state: ServerState, engine, model: Model, pairs: Pairs)
     return [score for score, _ in judged], sum(tokens for _, tokens in judged)
 
 
+def rerank_method(chosen: str, engine) -> str:
+    """--rerank-method for ``engine``'s model: `auto` is yes-no for a file
+    that says it is a reranker (Engine.is_reranker), else embedding."""
+    if chosen != "auto":
+        return chosen
+    return "yes-no" if engine.is_reranker else "embedding"
+
+
 async def score_pairs(state: ServerState, model: Model, pairs: Pairs) -> tuple[list[float], int]:
     """Each pair's score, in order, and the prompt tokens it took, by the
     server's --rerank-method."""
-    if state.settings.rerank_method == "yes-no":
+    if rerank_method(state.settings.rerank_method, model.engine) == "yes-no":
         return await _yes_no_scores(state, model.engine, model, pairs)
     return await _embedding_scores(state, model.engine, pairs, model.adapter_key)
 

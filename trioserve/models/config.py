@@ -72,6 +72,10 @@ class ModelConfig:
     embed_scale: float = 1.0  # what the embedding rows are multiplied by (Gemma: sqrt(hidden))
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     layer_types: tuple[str, ...] | None = None  # per layer, "full_attention" or "sliding_attention", where the file lists them
+    # What the file says the model is for, where it says: how its embeddings pool (mean, cls, last),
+    # or "rank" (a reranker: P("yes") at the last token), and its reranking prompt ({query}, {document}).
+    pooling: str | None = None
+    rerank_template: str | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position"):
@@ -97,6 +101,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 1):
                 raise BadSetting(name, f"is {value!r}, not a finite number greater than 1")
+        if self.pooling not in (None, "mean", "cls", "last", "rank"):
+            raise BadSetting("pooling", f"is {self.pooling!r}, not mean, cls, last or rank")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise BadSetting("layer_types", f"lists {len(self.layer_types)} layers, but the model has {self.num_layers}")
         if self.layer_types is not None and "sliding_attention" in self.layer_types and self.sliding_window is None:
@@ -228,7 +234,28 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
         attention_bias=family.attention_bias,
         rope_scaling=scaling,
         **_family_settings(family.gguf_settings, Reader(whole, number, flag, meta.get, lambda v, k: _number(v, k, path, "metadata "), p), path, "metadata "),
+        **_gguf_purpose(meta, p, path),
     )
+
+
+# GGUF `<arch>.pooling_type` (llama.cpp's enum) -> ModelConfig.pooling.
+GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def _gguf_purpose(meta: Mapping[str, Any], prefix: str, path: Path) -> dict[str, Any]:
+    """What a GGUF says its model is for: ``pooling`` and ``rerank_template``."""
+    out: dict[str, Any] = {}
+    kind = meta.get(prefix + "pooling_type")
+    if kind is not None:
+        if isinstance(kind, bool) or not isinstance(kind, int) or (kind not in GGUF_POOLING and kind != -1):
+            raise CheckpointError(path, f"metadata {prefix + 'pooling_type'!r} is {kind!r}, not one of {sorted(GGUF_POOLING)}")
+        out["pooling"] = GGUF_POOLING.get(kind)
+    template = meta.get("tokenizer.chat_template.rerank")
+    if template is not None:
+        if not isinstance(template, str) or "{query}" not in template or "{document}" not in template:
+            raise CheckpointError(path, "metadata 'tokenizer.chat_template.rerank' is not a text with {query} and {document} in it")
+        out["rerank_template"] = template
+    return out
 
 
 def _family_settings(read, reader: Reader, path: Path, where: str) -> dict[str, Any]:

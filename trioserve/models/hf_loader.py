@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -76,8 +77,43 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
         raise CheckpointError(directory, f"bad tokenizer: {type(exc).__name__}: {exc}") from None
 
 
+# sentence-transformers' pooling module config -> ModelConfig.pooling, first set flag wins.
+_POOLING_FLAGS = (("pooling_mode_lasttoken", "last"), ("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"))
+
+
+def hf_pooling(directory: Path) -> str | None:
+    """How a sentence-transformers directory pools its embeddings (its
+    modules.json's Pooling module's config.json), or None where it has none."""
+    modules_file = directory / "modules.json"
+    if not modules_file.exists():
+        return None
+    try:
+        modules = json.loads(read_text(modules_file, MAX_JSON))
+    except FileRefused as exc:
+        raise CheckpointError(modules_file, exc.problem) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(modules_file, f"not valid JSON ({exc})") from None
+    if not isinstance(modules, list):
+        raise CheckpointError(modules_file, "is not a JSON list of modules")
+    for module in modules:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            where = module.get("path")
+            if not isinstance(where, str) or Path(where).is_absolute() or ".." in Path(where).parts:
+                raise CheckpointError(modules_file, f"names {where!r} as the pooling module's directory: not a directory inside the checkpoint")
+            settings = _read_json(directory / where / "config.json")
+            for flag, mode in _POOLING_FLAGS:
+                if settings.get(flag) is True:
+                    return mode
+            mode = settings.get("pooling_mode")
+            return {"lasttoken": "last", "cls": "cls", "mean": "mean"}.get(mode) if isinstance(mode, str) else None
+    return None
+
+
 def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
     config = config_from_hf(_read_json(directory / "config.json"), directory / "config.json")
+    pooling = hf_pooling(directory)
+    if pooling is not None:
+        config = attrs.evolve(config, pooling=pooling)
     tokenizer = load_hf_tokenizer(directory)
     owner = _shards(directory)
     check_layers(directory / "config.json", config, owner, key="num_hidden_layers")
