@@ -109,3 +109,29 @@ def test_smollm2_streaming():
         pieces, rest = stream(tok, ids)
         assert not any("\ufffd" in p for p in pieces)
         assert "".join(pieces) + rest == text
+
+
+@pytest.fixture(scope="module")
+def gguf_spm_tok():
+    from tests.spm_files import llama_like_vocab, spm_metadata
+
+    return Tokenizer.from_gguf_metadata(spm_metadata(llama_like_vocab()))
+
+
+@pytest.mark.parametrize("which", ["sp_tok", "gguf_spm_tok"])
+def test_an_output_after_a_prompt_keeps_its_first_space(request, which):
+    """A SentencePiece decode from the start drops the space its prefix
+    added; an output continuing a prompt is not at the start, so its first
+    word keeps its space (" world" after "hello", as llama.cpp and vLLM
+    stream it), and the pieces are the text of prompt + output less the
+    prompt's."""
+    tok = request.getfixturevalue(which)
+    prompt, full = tok.encode("hello", add_bos=False), tok.encode("hello world again", add_bos=False)
+    assert full[: len(prompt)] == prompt
+    output = full[len(prompt) :]
+    assert tok.decode(output) == "world again"  # a decode of the output alone
+    detok = IncrementalDetokenizer(tok, context=prompt[-4:])
+    text = "".join(detok.push(i) for i in output) + detok.flush()
+    assert text == tok.decode(prompt + output)[len(tok.decode(prompt)) :] == " world again"
+    fresh = IncrementalDetokenizer(tok)  # no prompt: the start of a text
+    assert "".join(fresh.push(i) for i in output) + fresh.flush() == "world again"

@@ -315,7 +315,7 @@ class EngineCore:
             seed=params.seed,
             draw_index=request.draw_start,
             stop_ids=frozenset(stop_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, context=request.prompt_ids[-4:]),
             stops=StopMatcher(params.stop),
             arrival=now,
             retain=request.retain,

@@ -3,22 +3,31 @@
 A code point may span several tokens (an emoji is often three or four byte
 tokens), so an id does not always complete any text; this module owns holding
 the incomplete tail back until it does, so a stream never shows a broken
-character, and the streamed pieces add up to `Tokenizer.decode` of all ids."""
+character, and the streamed pieces add up to `Tokenizer.decode` of all ids
+(for a SentencePiece tokenizer after a prompt: with the space its first
+token starts with, which a decode from the start would drop)."""
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 
 from trioserve.models.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+CONTEXT = 4  # prompt ids kept as left context (enough for any one character's bytes)
 
 
 class IncrementalDetokenizer:
     """Text for one output stream. Call `push` per generated id, then `flush`
     once at the end; one instance serves one sequence."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True, context: Sequence[int] = ()) -> None:
+        """``context``: the ids the output continues (the prompt's last few),
+        read as text already emitted: a SentencePiece decode drops the space
+        at the start of a text, and the output's first token's space is not
+        at the start of the text (" Paris" after "The capital is", as
+        llama.cpp and vLLM stream it)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         if tokenizer.byte_level:
@@ -26,9 +35,9 @@ class IncrementalDetokenizer:
         else:
             # Re-decode scheme: ids[prefix:read] is text already emitted, kept
             # as left context; ids[read:] is not emitted yet.
-            self._ids: list[int] = []
+            self._ids: list[int] = [i for i in context[-CONTEXT:] if 0 <= i < tokenizer.vocab_size]
             self._prefix = 0
-            self._read = 0
+            self._read = len(self._ids)
 
     def push(self, token_id: int) -> str:
         """The text that became complete with `token_id`: '' while it ends
