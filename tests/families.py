@@ -100,7 +100,9 @@ def gguf_tensor_name(family: str, name: str) -> str:
     return f"blk.{layer}.{({**_LAYER, **_LAYER_BY_FAMILY[family]})[rest]}"
 
 
-def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32, extra: dict | None = None) -> Path:
+def write_family_gguf(
+    path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32, extra: dict | None = None, tensors: dict | None = None
+) -> Path:
     """``model``'s weights as a GGUF of ``family``'s architecture (and the
     metadata ``extra``: ints as uint32, texts as strings), as
     llama.cpp's converter writes them (no Q/K interleave for these
@@ -141,6 +143,8 @@ def write_family_gguf(path: Path, family: str, model, tokenizer, *, qtype: Q = Q
             writer.add_tensor(gguf_tensor_name(family, name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_tensor_name(family, name), array.astype(np.float32))
+    for name, array in (tensors or {}).items():  # GGUF-named extras, as they are (float32)
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -19,6 +19,7 @@ import trio
 from tests.families import SHAPES, hf_model, write_family_gguf
 from tests.http.conftest import make_settings, start_server
 from tests.tiny_tokenizer import train_tiny_tokenizer
+from trioserve.errors import CheckpointError
 from trioserve.http.rerank import AnswerIds, yes_probability
 from trioserve.models.checkpoint import load_checkpoint
 from trioserve.types import MAX_TOP_LOGPROBS
@@ -52,8 +53,27 @@ def reranker(tmp_path_factory):
         emb[yes] = emb[yes] * 4
         emb[no] = emb[no] * 4
     extra = {"qwen3.pooling_type": 4, "tokenizer.chat_template.rerank": RERANK}
-    path = write_family_gguf(tmp_path_factory.mktemp("reranker") / "rerank.gguf", "qwen3", model, tokenizer, extra=extra)
+    # As llama.cpp's converter writes a reranker: its head's "yes" and "no" rows as cls.output.
+    rows = {"cls.output.weight": model.model.embed_tokens.weight.detach()[[yes, no]].numpy()}
+    path = write_family_gguf(tmp_path_factory.mktemp("reranker") / "rerank.gguf", "qwen3", model, tokenizer, extra=extra, tensors=rows)
     return model, path, (yes, no)
+
+
+def test_a_reranker_file_without_its_whole_head_is_refused(tmp_path, reranker):
+    """The converter drops an untied reranker's output head but for the
+    answers' rows: the file's cls.output rows are then not the embedding's."""
+    model, _, (yes, no) = reranker
+    tokenizer = train_tiny_tokenizer()
+    tokenizer.add_tokens(["yes", "no"])
+    rows = {"cls.output.weight": np.random.default_rng(0).standard_normal((2, SHAPES["qwen3"]["hidden_size"]))}
+    extra = {"qwen3.pooling_type": 4, "tokenizer.chat_template.rerank": RERANK}
+    path = write_family_gguf(tmp_path / "untied.gguf", "qwen3", model, tokenizer, extra=extra, tensors=rows)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert info.value.problem == (
+        "a reranker whose output head llama.cpp's converter left out: 'cls.output.weight' holds only its \"yes\" and \"no\" rows, "
+        "which are not the embedding's; serve the model's Hugging Face directory instead"
+    )
 
 
 async def test_a_file_declaring_last_token_pooling_embeds_with_it(nursery, embedder):

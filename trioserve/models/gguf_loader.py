@@ -119,6 +119,9 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     _check_rope_freqs_shape(path, config, shapes.get("rope_freqs"))
     tokenizer = _tokenizer(meta, path)
     check_vocabulary(path, config, tokenizer, tokens="tokenizer.ggml.tokens", rows="token_embd.weight")
+    rank_head = next((t for t in reader.tensors if t.name == "cls.output.weight"), None)
+    if rank_head is not None and config.tie_embeddings:
+        _check_rank_head(path, rank_head, tensors["model.embed_tokens.weight"], tokenizer)
 
     # The matrix that gives the logits: its own, or the embedding where the two are tied.
     head_name = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
@@ -185,6 +188,29 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     return Checkpoint(
         path=path, config=config, tokenizer=tokenizer, weights=weights, int4=codes, int6=codes6, int8=codes8, w16=bits16, rows=rows,
         drop_file_pages=functools.partial(_drop_pages, reader),
+    )
+
+
+def _check_rank_head(path: Path, head: GGUFTensor, embedding: GGUFTensor, tokenizer: Tokenizer) -> None:
+    """A reranker GGUF (llama.cpp's converter writes Qwen3-Reranker's "yes"
+    and "no" rows of the output head as 'cls.output.weight') with no
+    'output.weight': the head is the embedding only where the model ties
+    them; for a model that does not (Qwen3-Reranker-4B and 8B), the
+    converter left the rest of the head out, and trioserve, which reads the
+    answers' probabilities from the whole head, refuses the file. Told apart
+    by whether the two rows are the embedding's rows of "yes" and "no"."""
+    ids = [tokenizer.encode(word, add_bos=False, special=False) for word in ("yes", "no")]
+    rows = np.asarray(tensor_array(head), dtype=np.float64)
+    if all(len(i) == 1 for i in ids) and rows.shape[0] == 2:
+        picked = np.asarray(embedding.data)[[ids[0][0], ids[1][0]]]
+        embedded = np.asarray(gguf.quants.dequantize(picked, embedding.tensor_type), dtype=np.float64).reshape(2, -1)
+        norms = np.linalg.norm(rows, axis=1) * np.linalg.norm(embedded, axis=1)
+        if rows.shape == embedded.shape and bool((norms > 0).all()) and bool(((rows * embedded).sum(1) / norms > 0.99).all()):
+            return
+    raise CheckpointError(
+        path,
+        "a reranker whose output head llama.cpp's converter left out: 'cls.output.weight' holds only its \"yes\" and \"no\" rows, "
+        "which are not the embedding's; serve the model's Hugging Face directory instead",
     )
 
 
