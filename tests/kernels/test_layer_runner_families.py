@@ -52,17 +52,20 @@ def _steps(batch_invariant: bool) -> list:
     ]
 
 
-def _twins(path, dtype, kv_dtype, *, batch_invariant: bool = True, window: int | None = None) -> tuple[DecoderModel, DecoderModel]:
+def _twins(path, dtype, kv_dtype, *, batch_invariant: bool = True, windows: list | None = None) -> tuple[DecoderModel, DecoderModel]:
     """The model twice from ``path``: one running its layers in one C call,
-    one layer by layer (runner None). ``window``: every layer made a
-    sliding-window layer of that many keys (as a Mistral's or Phi-3's)."""
+    one layer by layer (runner None). ``windows``: layer i made a
+    sliding-window layer of windows[i] keys where not None (as a Mistral's,
+    Phi-3's or Gemma 3's)."""
     ckpt = load_checkpoint(path, dtype=dtype)
     models = []
     for _ in range(2):
         model = DecoderModel.from_checkpoint(ckpt, batch_invariant=batch_invariant, activations="int8", kv_dtype=kv_dtype)
-        if window is not None:
-            model.specs = [attrs.evolve(spec, mixer="sliding_attention", window=window) for spec in model.specs]
-            model.windows = [window]
+        if windows is not None:
+            model.specs = [
+                spec if w is None else attrs.evolve(spec, mixer="sliding_attention", window=w) for spec, w in zip(model.specs, windows)
+            ]  # fmt: skip
+            model.windows = sorted({w for w in windows if w is not None})
             model.runner = LayerRunner.for_model(model)
         models.append(model)
     one_call, per_call = models
@@ -98,3 +101,29 @@ def test_qwen3_without_batch_invariance_too(level, qwen3):
     one_call, per_call = _twins(qwen3["gguf_q8_0"], torch.float32, None, batch_invariant=False)
     assert one_call.runner is not None
     _same_bits(one_call, per_call, _steps(False))
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    return build_family(tmp_path_factory.mktemp("phi3"), "phi3")
+
+
+@pytest.mark.parametrize("windows", [[6, 6], [3, None], [None, 1]], ids=["every-layer", "first-layer", "a-window-of-one"])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
+def test_sliding_window_layers_run_in_c_with_the_per_call_bits(level, qwen3, dtype, kv_dtype, windows):
+    """Qwen3's layers given windows: the C loop reads each layer's own
+    window (`trioserve_window_attention`), as the per-call path's kernel does."""
+    one_call, per_call = _twins(qwen3["gguf_q8_0"], dtype, kv_dtype, windows=windows)
+    assert one_call.runner is not None, "sliding-window layers on the codes kernels: the C loop should take them"
+    assert [layer.window for layer in one_call.runner._layers] == [w or 0 for w in windows]
+    assert per_call.kernels.windows_in_place  # so the per-call path reads the window in place too
+    _same_bits(one_call, per_call, _steps(True))
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
+def test_phi3_runs_in_c_with_the_per_call_bits(level, phi3, dtype, kv_dtype):
+    """Phi-3 (every layer within its window of 8, head width 16) as its files describe it."""
+    one_call, per_call = _twins(phi3["gguf_q8_0"], dtype, kv_dtype)
+    assert {spec.window for spec in one_call.specs} == {8}
+    assert one_call.runner is not None
+    _same_bits(one_call, per_call, _steps(True))

@@ -44,7 +44,7 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
-        ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
+        ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr), ("window", _i64),
     ]  # fmt: skip
 
 
@@ -58,11 +58,14 @@ class _Model(ctypes.Structure):
 def runs_in_c(spec) -> bool:
     """Whether the C loop computes a layer of this description
     (models/family.LayerSpec): a Llama layer, with or without q/k norm
-    (Qwen3), at any RoPE base and scaling (each layer's own tables). Any
-    other field (and any field a later LayerSpec adds) sends the model
-    layer by layer through Python."""
+    (Qwen3), attending to the whole history or within a sliding window
+    (Mistral, Phi-3), at any RoPE base and scaling (each layer's own
+    tables). Any other field (and any field a later LayerSpec adds) sends
+    the model layer by layer through Python."""
     plain = type(spec)()  # the default description: a Llama layer
-    return spec == attrs.evolve(plain, rope_theta=spec.rope_theta, rope_scaled=spec.rope_scaled, qk_norm=spec.qk_norm)
+    return spec == attrs.evolve(
+        plain, mixer=spec.mixer, window=spec.window, rope_theta=spec.rope_theta, rope_scaled=spec.rope_scaled, qk_norm=spec.qk_norm
+    )
 
 
 class _Group(ctypes.Structure):
@@ -156,7 +159,11 @@ class LayerRunner:
             if any(t is None or t.shape != (c.head_dim,) for t in qk):
                 return None
             q_norm, k_norm = (qk[0].data_ptr(), qk[1].data_ptr()) if qk else (None, None)
-            array[i] = _Layer(layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *projs, q_norm, k_norm, cos.data_ptr(), sin.data_ptr())
+            if spec.window is not None and spec.window < 1:
+                return None
+            array[i] = _Layer(
+                layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *projs, q_norm, k_norm, cos.data_ptr(), sin.data_ptr(), spec.window or 0
+            )  # fmt: skip
             keep += [layer.attn_norm, layer.mlp_norm, cos, sin, *qk]
         for t in keep:
             if t.dtype != torch.float32 or not t.is_contiguous():

@@ -193,12 +193,16 @@ def decode_attention(
     scale: float,
     *,
     row_seq: torch.Tensor | None = None,
+    window: int | None = None,
     threads: int | None = None,
     checked: bool = True,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Attention of query rows to their first ``lengths[r]`` cached keys,
-    read through ``block_tables`` where they lie.
+    read through ``block_tables`` where they lie; with ``window`` (a
+    sliding-window layer), to the last ``window`` of them only: a row at
+    position p (length p + 1) reads keys p - window + 1 .. p, and the
+    blocks before those are neither read nor checked.
 
     q [R, H, D]; k_cache, v_cache [KVH, NB, BS, D] (q's dtype: bfloat16 or
     float32, CPU; or a bfloat16 pool for float32 queries); block_tables [S, MB] and lengths [R] int64. Row r reads
@@ -225,13 +229,18 @@ def decode_attention(
             raise RuntimeError(f"decode_attention: {rows} query rows need {rows} lengths (and table rows), got {tuple(lens.shape)}")
     else:
         kind, pool, tables, lens = int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16), block_tables, lengths
+    if window is not None and window < 1:
+        raise RuntimeError(f"decode_attention: a window of {window} keys; a sliding window holds at least one")
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
-    code = lib.trioserve_decode_attention(
+    head = (
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         None if row_seq is None else row_seq.data_ptr(), lens.data_ptr(), out.data_ptr(),
         rows, tables.shape[0], heads, kv_heads, num_blocks, block_size, dim, tables.shape[1],
-        scale, kind, pool, threads or torch.get_num_threads(),
     )  # fmt: skip
+    if window is None:
+        code = lib.trioserve_decode_attention(*head, scale, kind, pool, threads or torch.get_num_threads())
+    else:
+        code = _window_attention(lib)(*head, window, scale, kind, pool, threads or torch.get_num_threads())
     if code == 1:
         raise RuntimeError(f"decode_attention does not take head dim {dim} with {heads} heads over {kv_heads} KV heads")
     if code == 3:
@@ -239,6 +248,16 @@ def decode_attention(
     if code:
         raise RuntimeError("decode_attention could not allocate its scratch memory")
     return out
+
+
+def _window_attention(lib: ctypes.CDLL):
+    """`trioserve_window_attention` of ``lib``, its signature declared:
+    `trioserve_decode_attention`'s with the window (int64) before the scale."""
+    fn = lib.trioserve_window_attention
+    if fn.argtypes is None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
 
 
 def supports(heads: int, kv_heads: int, dim: int) -> bool:

@@ -34,6 +34,9 @@ class Kernels:
     # Attention reads the pool where it lies (no gathered copy of K and V),
     # for every group: the model then needs no gather buffers.
     reads_in_place = False
+    # Attention takes a sliding window reading the pool in place too (else a
+    # windowed layer's attention gathers K and V, and needs buffers for them).
+    windows_in_place = False
     # Whether a step's bits are the same on any number of CPU threads (then
     # the worker may choose the count per step: kernels/cpu.py ThreadGovernor).
     thread_invariant = False
@@ -90,13 +93,18 @@ class Kernels:
         reference.write_kv(k_cache, v_cache, slots, k[:real], v)
         return q
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group, scale: float, gather) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group, scale: float, gather, window: int | None = None
+    ) -> torch.Tensor:
         """The attention of one group's rows (models/step.AttentionGroup) to
         their cached keys: [R, H, D] in q's dtype. ``gather`` is the model's
         two scratch buffers for a set that copies K and V (not read by the
-        sets that read in place)."""
+        sets that read in place). ``window``: a sliding-window layer's, a
+        row at position p attending to keys p - window + 1 .. p only (here
+        the group's mask cut to it, `reference.window_mask`)."""
+        mask = group.mask if window is None else reference.window_mask(group.mask, window)
         return reference.paged_attention(
-            q, k_cache, v_cache, group.block_tables, group.pad_index, group.mask, scale,
+            q, k_cache, v_cache, group.block_tables, group.pad_index, mask, scale,
             flash=group.flash, fixed=group.fixed, gather_into=gather,
         )  # fmt: skip
 
@@ -116,6 +124,7 @@ class NativeKernels(Kernels):
         self._native = native
         self._lib = native_build.library()  # pinned: the hot path does not read the environment
         self.reads_in_place = attention_in_c
+        self.windows_in_place = attention_in_c  # `native.decode_attention` takes the window
 
     @property
     def thread_invariant(self) -> bool:
@@ -141,10 +150,10 @@ class NativeKernels(Kernels):
     def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
         return self._native.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, checked=False, lib=self._lib)
 
-    def attention(self, q, k_cache, v_cache, group, scale, gather):
+    def attention(self, q, k_cache, v_cache, group, scale, gather, window=None):
         if not self.reads_in_place:
-            return super().attention(q, k_cache, v_cache, group, scale, gather)
-        return _row_attention(self._native.decode_attention, q, k_cache, v_cache, group, scale, checked=False, lib=self._lib)
+            return super().attention(q, k_cache, v_cache, group, scale, gather, window)
+        return _row_attention(self._native.decode_attention, q, k_cache, v_cache, group, scale, window=window, checked=False, lib=self._lib)
 
 
 class TritonKernels(Kernels):
@@ -177,7 +186,9 @@ class TritonKernels(Kernels):
     def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
         return self._elementwise.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
 
-    def attention(self, q, k_cache, v_cache, group, scale, gather):
+    def attention(self, q, k_cache, v_cache, group, scale, gather, window=None):
+        if window is not None:  # the Triton kernel has no window: the torch twin under the windowed mask (gather buffers needed)
+            return super().attention(q, k_cache, v_cache, group, scale, gather, window)
         return _row_attention(self._attention.decode_attention, q, k_cache, v_cache, group, scale)
 
 

@@ -42,6 +42,15 @@ def write_kv(
     v_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
+def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A causal attention mask [S, Q, L] (True = may attend; each query
+    row's Trues a prefix, its last at the row's position) cut to a sliding
+    window: a query at position p keeps keys p - window + 1 .. p."""
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    last = mask.sum(-1, keepdim=True) - 1  # each query row's position
+    return mask & (keys > last - window)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -449,10 +449,10 @@ class DecoderModel:
             cos, sin = self.layer_rope[i]
             # Pad rows (after batch.num_tokens) are rotated but never stored or read back.
             q = kernels.rope_write_kv(qkv, batch.positions, cos, sin, cache.k[i], cache.v[i], batch.slot_mapping, c.num_heads, c.num_kv_heads)
-            if spec.window is not None:
+            if spec.window is not None and not kernels.windows_in_place:
                 attn = self._window_attention(q, cache.k[i], cache.v[i], batch, windowed[spec.window], gather)
-            else:
-                attn = self._attention(q, cache.k[i], cache.v[i], batch, gather)
+            else:  # the C kernel takes the window, reading the pool in place
+                attn = self._attention(q, cache.k[i], cache.v[i], batch, gather, spec.window)
             o = project(layer.o, attn.reshape(-1, n_q), i, "o")
             if layer.post_attn_norm is not None:
                 o = self.kernels.rms_norm(o.float().contiguous(), layer.post_attn_norm, c.rms_eps, torch.float32)
@@ -482,22 +482,18 @@ class DecoderModel:
 
     def _window_masks(self, batch: StepBatch) -> dict[int, list[torch.Tensor]]:
         """For each sliding window the layers use, each attention group's mask
-        cut to the window: a query at position p attends to keys p - window + 1
-        .. p (the causal mask's last True is p)."""
-        out: dict[int, list[torch.Tensor]] = {}
-        for window in self.windows:
-            masks = []
-            for g in batch.groups:
-                keys = torch.arange(g.mask.shape[-1], device=g.mask.device)
-                last = g.mask.sum(-1, keepdim=True) - 1  # each query row's position
-                masks.append(g.mask & (keys > last - window))
-            out[window] = masks
-        return out
+        cut to the window (`reference.window_mask`): a query at position p
+        attends to keys p - window + 1 .. p. Empty where the kernels take
+        the window themselves (`windows_in_place`: the C attention)."""
+        if self.kernels.windows_in_place:
+            return {}
+        return {window: [reference.window_mask(g.mask, window) for g in batch.groups] for window in self.windows}
 
     def _window_attention(self, q: torch.Tensor, k_cache, v_cache, batch: StepBatch, masks: list[torch.Tensor], gather) -> torch.Tensor:
-        """Attention of a sliding-window layer: the torch twin (kernels/reference.py)
-        under each group's windowed mask; the same per-row arithmetic as a
-        full layer's torch path (fixed order when batch-invariant)."""
+        """Attention of a sliding-window layer where the kernels do not take
+        the window in place: the torch twin (kernels/reference.py) under each
+        group's windowed mask, the same per-row arithmetic as a full layer's
+        torch path (fixed order when batch-invariant)."""
         out = q.new_zeros(q.shape)
         k_buf, v_buf = self._window_buffers(batch, k_cache)
         for g, mask in zip(batch.groups, masks):
@@ -550,22 +546,27 @@ class DecoderModel:
             return torch.mm(last, self.lm_head.t(), out_dtype=self.head_out_dtype)
         return F.linear(last, self.lm_head).float()
 
-    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, gather) -> torch.Tensor:
+    def _attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, gather, window: int | None = None
+    ) -> torch.Tensor:
         """[T_padded, H, D]: each group's rows attended on their own (one
         group at a time, so they share the gather buffers); pad tokens'
-        rows are zeros."""
+        rows are zeros. ``window``: a sliding-window layer's, for kernels
+        that take it in place (`Kernels.windows_in_place`)."""
         if len(batch.groups) == 1 and batch.groups[0].count == q.shape[0]:
-            return self._group_attention(q, k_cache, v_cache, batch.groups[0], gather)
+            return self._group_attention(q, k_cache, v_cache, batch.groups[0], gather, window)
         out = q.new_empty(q.shape)
         end = 0
         for g in batch.groups:
             end = g.first + g.count
-            out[g.first : end] = self._group_attention(q[g.first : end], k_cache, v_cache, g, gather)
+            out[g.first : end] = self._group_attention(q[g.first : end], k_cache, v_cache, g, gather, window)
         out[end:].zero_()
         return out
 
-    def _group_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g, gather) -> torch.Tensor:
-        return self.kernels.attention(q, k_cache, v_cache, g, self.scale, gather)
+    def _group_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g, gather, window: int | None = None) -> torch.Tensor:
+        if window is None:
+            return self.kernels.attention(q, k_cache, v_cache, g, self.scale, gather)
+        return self.kernels.attention(q, k_cache, v_cache, g, self.scale, gather, window=window)
 
     def _gather_buffers(self, batch: StepBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat scratch buffers that any group's gathered keys and values

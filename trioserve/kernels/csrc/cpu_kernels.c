@@ -3,7 +3,8 @@
  * trioserve/kernels/native_build.py with the system C compiler.
  *
  *   trioserve_decode_attention  paged attention of query rows over the block pool (decode rows and
- *                               prompt rows; its comment below has the layouts)
+ *                               prompt rows; its comment below has the layouts); trioserve_window_attention
+ *                               the same within a sliding window
  *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
  *   trioserve_add_rms_norm      the residual add, in place, then that RMSNorm
  *   trioserve_silu_mul          the MLP's silu(gate) * up
@@ -102,10 +103,19 @@ typedef struct {
     const int64_t *tables, *lens, *row_seq;
     float *out;
     int64_t heads, kv_heads, num_blocks, block_size, dim, max_blocks;
+    int64_t window; /* a row of length len reads keys max(0, len - window) .. len - 1; 0: all of them */
     float scale;
     int bf16;    /* the queries: bf16, else fp32 */
     int kv_bf16; /* the pool: bf16, else fp32 (a float32 model may keep a bf16 pool) */
 } Job;
+
+/* The first key a row of `len` keys reads: 0, or the start of its window
+ * (a sliding-window layer: the row at position len - 1 attends to its last
+ * `window` positions). A row's scores are kept from that key on, so its
+ * softmax and value sums run over the window alone. */
+static inline int64_t row_first(const Job *job, int64_t len) {
+    return job->window > 0 && len > job->window ? len - job->window : 0;
+}
 
 static inline float load(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
@@ -286,16 +296,17 @@ static inline ATTENTION_MATH float dp_score(const uint16_t *q, const uint16_t *k
     return lane_sum(lanes) * scale;
 }
 
-/* One (row s, KV head g) item's scores by `dp_score`, scores[j * len + t]. */
-static inline ATTENTION_MATH void dp_scores(const Job *job, int64_t s, int64_t g, const int64_t *table, int64_t len, int64_t group,
-                                            float *scores) {
-    const int64_t bs = job->block_size;
+/* One (row s, KV head g) item's scores by `dp_score` of keys first .. len - 1,
+ * scores[j * (len - first) + t - first]. */
+static inline ATTENTION_MATH void dp_scores(const Job *job, int64_t s, int64_t g, const int64_t *table, int64_t first, int64_t len,
+                                            int64_t group, float *scores) {
+    const int64_t bs = job->block_size, n = len - first;
     const uint16_t *q = (const uint16_t *)job->q + (s * job->heads + g * group) * 64;
     const int odd_q = dp_outside(q, group * 64);
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const uint16_t *key = (const uint16_t *)job->k + ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * 64;
         const int exact = odd_q || dp_outside(key, 64);
-        for (int64_t j = 0; j < group; j++) scores[j * len + t] = dp_score(q + j * 64, key, job->scale, exact);
+        for (int64_t j = 0; j < group; j++) scores[j * n + t - first] = dp_score(q + j * 64, key, job->scale, exact);
     }
 }
 
@@ -311,33 +322,33 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body(const
                                                            const int64_t group, const int bf16, const int kv_bf16) {
     const int64_t bs = job->block_size;
     const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
-    const int64_t len = job->lens[s];
+    const int64_t len = job->lens[s], first = row_first(job, len), n = len - first;
     const int64_t *table = row_table(job, s);
     float qf[MAX_GROUP][LANES * 16], kf[LANES * 16], acc[MAX_GROUP][LANES * 16];
     if (!BF16_DOT_HW && bf16 && dim == 64) {
-        dp_scores(job, s, g, table, len, group, scores);
+        dp_scores(job, s, g, table, first, len, group, scores);
     } else {
         for (int64_t j = 0; j < group; j++)
             for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = first; t < len; t++) {
             const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
             for (int64_t d = 0; d < dim; d++) kf[d] = load(job->k, at + d, kv_bf16);
             for (int64_t j = 0; j < group; j++) {
                 float lanes[LANES] = {0};
                 for (int64_t d0 = 0; d0 < dim; d0 += LANES)
                     for (int l = 0; l < LANES; l++) lanes[l] = g_fma(qf[j][d0 + l], kf[d0 + l], lanes[l]);
-                scores[j * len + t] = lane_sum(lanes);
+                scores[j * n + t - first] = lane_sum(lanes);
             }
         }
     }
-    softmax_rows(scores, len, group);
+    softmax_rows(scores, n, group);
     for (int64_t j = 0; j < group; j++)
         for (int64_t d = 0; d < dim; d++) acc[j][d] = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const int64_t at = ((g * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
         for (int64_t d = 0; d < dim; d++) kf[d] = load(job->v, at + d, kv_bf16);
         for (int64_t j = 0; j < group; j++) {
-            const float p = scores[j * len + t];
+            const float p = scores[j * n + t - first];
             for (int64_t d = 0; d < dim; d++) acc[j][d] = g_fma(p, kf[d], acc[j][d]);
         }
     }
@@ -407,7 +418,7 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
                                                                             const int bf16, const int kv_bf16) {
     const int64_t bs = job->block_size;
     const int64_t s = item / job->kv_heads, g = item % job->kv_heads;
-    const int64_t len = job->lens[s];
+    const int64_t len = job->lens[s], first = row_first(job, len), n = len - first;
     const int64_t *table = row_table(job, s);
     float qf[MAX_GROUP][LANES * 16] __attribute__((aligned(32)));
     /* bf16 queries of head dim 64: the AVX-512 BF16 tiles' scores (`dp_key8`) */
@@ -428,23 +439,24 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
             for (int64_t d = 0; d < dim; d++) qf[j][d] = load(job->q, (s * job->heads + g * group + j) * dim + d, bf16) * job->scale;
     }
     const int64_t es = kv_bf16 ? 2 : 4, lines = (bs * dim * es + 63) / 64;
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    /* Keys first .. len - 1, block by block; a key's scores at t - first. */
+    for (int64_t t0 = first - first % bs; t0 < len; t0 += bs) {
         const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim;
-        const int64_t end = len - t0 < bs ? len - t0 : bs;
+        const int64_t end = len - t0 < bs ? len - t0 : bs, from = first > t0 ? first - t0 : 0;
         /* The blocks lie apart in the pool, so the hardware's prefetchers
          * stop at each: the next block's keys and this block's values are
          * fetched a few lines a key (the values for the loop below). */
         const char *k_next = t0 + bs < len ? (const char *)job->k + (g * job->num_blocks + table[t0 / bs + 1]) * bs * dim * es : NULL;
         const char *v_here = (const char *)job->v + base * es;
-        const int64_t per_key = (lines + end - 1) / end;
-        for (int64_t u = 0; u < end; u++) {
+        const int64_t per_key = (lines + end - from - 1) / (end - from);
+        for (int64_t u = from; u < end; u++) {
             const int64_t at = base + u * dim;
-            for (int64_t i = u * per_key; i < (u + 1) * per_key && i < lines; i++) {
+            for (int64_t i = (u - from) * per_key; i < (u - from + 1) * per_key && i < lines; i++) {
                 if (k_next) __builtin_prefetch(k_next + i * 64, 0, 3);
                 __builtin_prefetch(v_here + i * 64, 0, 2);
             }
             if (dp) {
-                dp_key8(qh, qo, qe, tiny_q, (const uint16_t *)job->k + at, group, job->scale, scores + t0 + u, len);
+                dp_key8(qh, qo, qe, tiny_q, (const uint16_t *)job->k + at, group, job->scale, scores + t0 + u - first, n);
                 continue;
             }
             for (int64_t j = 0; j < group; j++) {
@@ -456,24 +468,24 @@ static inline __attribute__((always_inline)) ATTENTION_MATH void item_body8(cons
                 const __m256 s8 = _mm256_add_ps(lo, hi);
                 const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
                 const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-                scores[j * len + t0 + u] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+                scores[j * n + t0 + u - first] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
             }
         }
     }
-    softmax_rows(scores, len, group);
+    softmax_rows(scores, n, group);
     /* Values, 16 output lanes at a time (8 where many heads share the KV head). */
     const int64_t width = group <= 6 ? 16 : 8;
     for (int64_t d0 = 0; d0 < dim; d0 += width) {
         __m256 acc[MAX_GROUP][2];
         for (int64_t j = 0; j < group; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        for (int64_t t0 = first - first % bs; t0 < len; t0 += bs) {
             const int64_t base = (g * job->num_blocks + table[t0 / bs]) * bs * dim + d0;
             const int64_t end = len - t0 < bs ? len - t0 : bs;
-            for (int64_t u = 0; u < end; u++) {
+            for (int64_t u = first > t0 ? first - t0 : 0; u < end; u++) {
                 const __m256 v0 = kv8(job->v, base + u * dim, kv_bf16);
                 const __m256 v1 = width == 16 ? kv8(job->v, base + u * dim + 8, kv_bf16) : v0;
                 for (int64_t j = 0; j < group; j++) {
-                    const __m256 p = _mm256_set1_ps(scores[j * len + t0 + u]);
+                    const __m256 p = _mm256_set1_ps(scores[j * n + t0 + u - first]);
                     acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);
                     if (width == 16) acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);
                 }
@@ -555,15 +567,22 @@ static inline void kv_next(KvCursor *c, int more) {
  * last 32), the 16 lanes summed by `sum16` sixteen keys at a time, then
  * times the scale. Then `softmax_rows`, then the values weighted key by key
  * in fp32 fused multiply-adds. A row's keys, order and operations depend on
- * its own length alone, never on n or its tile-mates. */
+ * its own length alone, never on n or its tile-mates. With a window, a row
+ * scores keys from its `row_first` on (scores[x * most + t - first]); the
+ * tile walks the keys from its rows' earliest first, which the callers keep
+ * a run of keys with no gap (`trioserve_window_attention`'s tiles). */
 static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, int64_t g, float *scores, int64_t most) {
     const int64_t group = job->heads / job->kv_heads, vectors = n * group;
     const int64_t *table = row_table(job, r0);
     const uint16_t *q = (const uint16_t *)job->q, *kc = (const uint16_t *)job->k, *vc = (const uint16_t *)job->v;
     const __m512 scale = _mm512_set1_ps(job->scale);
-    int64_t longest = 0;
-    for (int64_t i = 0; i < n; i++) longest = job->lens[r0 + i] > longest ? job->lens[r0 + i] : longest;
-    for (int64_t t0 = 0; t0 < longest; t0 += 16) {
+    int64_t longest = 0, start = INT64_MAX;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t len = job->lens[r0 + i], first = row_first(job, len);
+        longest = len > longest ? len : longest;
+        start = first < start ? first : start;
+    }
+    for (int64_t t0 = start; t0 < longest; t0 += 16) {
         /* Keys two blocks of 16 ahead, into cache while these are scored
          * (blocks lie scattered, so the hardware's stride prefetch stops at
          * each block's end). */
@@ -585,14 +604,14 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
             }
         }
         for (int64_t x = 0; x < vectors; x++) {
-            const int64_t i = x / group, j = x % group, len = job->lens[r0 + i];
-            if (t0 >= len) continue;
+            const int64_t i = x / group, j = x % group, len = job->lens[r0 + i], first = row_first(job, len);
+            if (t0 >= len || t0 + 16 <= first) continue;
             const uint16_t *qrow = q + ((r0 + i) * job->heads + g * group + j) * 64;
             const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qrow), q1 = (__m512bh)_mm512_loadu_si512(qrow + 32);
             __m512 part[16];
             for (int u = 0; u < 16; u++) {
                 const int at = (u % 4) * 4 + u / 4;
-                if (t0 + u < len) {
+                if (t0 + u >= first && t0 + u < len) {
                     const uint16_t *key = keys[u];
                     part[at] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key), q0),
                                                 (__m512bh)_mm512_loadu_si512(key + 32), q1);
@@ -602,22 +621,33 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
             }
             const __m512 sc = _mm512_mul_ps(sum16(part), scale);
             const int64_t left = len - t0;
-            _mm512_mask_storeu_ps(scores + x * most + t0, left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1), sc);
+            if (t0 >= first) {
+                _mm512_mask_storeu_ps(scores + x * most + t0 - first, left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1), sc);
+            } else { /* the window starts inside these 16 keys */
+                float lanes[16];
+                _mm512_storeu_ps(lanes, sc);
+                memcpy(scores + x * most, lanes + (first - t0), (size_t)((left < 16 ? left : 16) - (first - t0)) * sizeof(float));
+            }
         }
     }
-    for (int64_t x = 0; x < vectors; x++) softmax_rows(scores + x * most, job->lens[r0 + x / group], 1);
+    for (int64_t x = 0; x < vectors; x++) {
+        const int64_t len = job->lens[r0 + x / group];
+        softmax_rows(scores + x * most, len - row_first(job, len), 1);
+    }
     for (int64_t x0 = 0; x0 < vectors; x0 += VALUE_SET) {
         const int64_t m = vectors - x0 < VALUE_SET ? vectors - x0 : VALUE_SET;
         __m512 acc[VALUE_SET][4];
-        int64_t len[VALUE_SET], upto = 0;
+        int64_t len[VALUE_SET], lo[VALUE_SET], upto = 0, from = INT64_MAX;
         for (int64_t y = 0; y < m; y++) {
             for (int c = 0; c < 4; c++) acc[y][c] = _mm512_setzero_ps();
             len[y] = job->lens[r0 + (x0 + y) / group];
+            lo[y] = row_first(job, len[y]);
             upto = len[y] > upto ? len[y] : upto;
+            from = lo[y] < from ? lo[y] : from;
         }
-        KvCursor at = kv_cursor(vc, job, table, g, 0), ahead = at;
-        if (KV_AHEAD < upto) ahead = kv_cursor(vc, job, table, g, KV_AHEAD);
-        for (int64_t t = 0; t < upto; t++) {
+        KvCursor at = kv_cursor(vc, job, table, g, from), ahead = at;
+        if (from + KV_AHEAD < upto) ahead = kv_cursor(vc, job, table, g, from + KV_AHEAD);
+        for (int64_t t = from; t < upto; t++) {
             if (t + KV_AHEAD < upto) {
                 const char *far = (const char *)kv_at(&ahead);
                 _mm_prefetch(far, _MM_HINT_T0);
@@ -628,8 +658,8 @@ static ATTENTION_MATH void tile_bf16_d64(const Job *job, int64_t r0, int64_t n, 
             kv_next(&at, t + 1 < upto);
             const __m512 v0 = bf16x16(val), v1 = bf16x16(val + 16), v2 = bf16x16(val + 32), v3 = bf16x16(val + 48);
             for (int64_t y = 0; y < m; y++) {
-                if (t >= len[y]) continue;
-                const __m512 p = _mm512_set1_ps(scores[(x0 + y) * most + t]);
+                if (t < lo[y] || t >= len[y]) continue;
+                const __m512 p = _mm512_set1_ps(scores[(x0 + y) * most + t - lo[y]]);
                 acc[y][0] = _mm512_fmadd_ps(p, v0, acc[y][0]);
                 acc[y][1] = _mm512_fmadd_ps(p, v1, acc[y][1]);
                 acc[y][2] = _mm512_fmadd_ps(p, v2, acc[y][2]);
@@ -706,36 +736,54 @@ static ATTENTION_MATH void run_item(const Job *job, int64_t item, float *scores)
  * runtime torch itself runs on (the library links the libgomp torch has
  * loaded, so no second pool competes for the cores); small calls run on
  * the caller's thread alone. Which thread computes an item changes
- * nothing. */
-int trioserve_decode_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *row_seq,
+ * nothing.
+ *
+ * `trioserve_window_attention` is the same with a sliding window (window > 0,
+ * Gemma 3's local layers, Mistral, Phi-3): row r reads only its last
+ * `window` keys, max(0, lens[r] - window) .. lens[r] - 1 (the row at
+ * position p attends to positions p - window + 1 .. p), and its softmax and
+ * value sums run over those alone, in the order above; blocks before a
+ * row's window are neither read nor checked. window 0: every key, the bits
+ * of `trioserve_decode_attention`. */
+int trioserve_window_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *row_seq,
                                const int64_t *lens, float *out, int64_t rows, int64_t num_tables, int64_t heads,
                                int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t dim, int64_t max_blocks,
-                               float scale, int bf16, int kv_bf16, int threads) {
-    if (dim % LANES || dim > LANES * 16 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP)
+                               int64_t window, float scale, int bf16, int kv_bf16, int threads) {
+    if (dim % LANES || dim > LANES * 16 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || window < 0)
         return 1;
     if (bf16 && !kv_bf16) return 1; /* bf16 queries read a bf16 pool */
-    const Job job = {q, k, v, tables, lens, row_seq, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale, bf16, kv_bf16};
+    const Job job = {q, k, v, tables, lens, row_seq, out, heads, kv_heads, num_blocks, block_size, dim, max_blocks, window, scale, bf16, kv_bf16};
     int64_t most = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) { /* nothing is read outside the pool */
         if (row_seq && (row_seq[r] < 0 || row_seq[r] >= num_tables)) return 3;
         if (!row_seq && r >= num_tables) return 3;
         if (lens[r] < 1 || lens[r] > max_blocks * block_size) return 3;
-        const int64_t *table = row_table(&job, r);
-        for (int64_t b = 0; b * block_size < lens[r]; b++)
+        const int64_t *table = row_table(&job, r), first = row_first(&job, lens[r]);
+        for (int64_t b = first / block_size; b * block_size < lens[r]; b++)
             if (table[b] < 0 || table[b] >= num_blocks) return 3;
-        most = lens[r] > most ? lens[r] : most;
-        work += lens[r];
+        most = lens[r] - first > most ? lens[r] - first : most;
+        work += lens[r] - first;
     }
     const int64_t group = heads / kv_heads;
     const int fast = FAST_TILES && bf16 && dim == 64;
     /* Work items: (tile, KV head). A tile is up to TILE_ROWS consecutive
-     * rows of one sequence on the fast path, one row otherwise. */
+     * rows of one sequence on the fast path, one row otherwise; with a
+     * window, only rows whose keys leave no gap in the tile's (whose table
+     * entries between are then all checked above). */
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (starts == NULL) return 2;
-    int64_t tiles = 0;
+    int64_t tiles = 0, tile_first = 0, tile_end = 0;
     for (int64_t r = 0; r < rows; r++) {
-        const int joins = fast && tiles > 0 && r - starts[tiles - 1] < TILE_ROWS && row_seq && row_seq[r] == row_seq[r - 1];
-        if (!joins) starts[tiles++] = r;
+        const int64_t first = row_first(&job, lens[r]);
+        const int joins = fast && tiles > 0 && r - starts[tiles - 1] < TILE_ROWS && row_seq && row_seq[r] == row_seq[r - 1] &&
+                          first <= tile_end && lens[r] >= tile_first;
+        if (!joins) {
+            starts[tiles++] = r;
+            tile_first = first, tile_end = lens[r];
+        } else {
+            tile_first = first < tile_first ? first : tile_first;
+            tile_end = lens[r] > tile_end ? lens[r] : tile_end;
+        }
     }
     starts[tiles] = rows;
     const int64_t items = tiles * kv_heads, per_item = (fast ? TILE_ROWS : 1) * group * most;
@@ -767,6 +815,14 @@ int trioserve_decode_attention(const void *q, const void *k, const void *v, cons
     free(starts);
     free(scores);
     return 0;
+}
+
+int trioserve_decode_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *row_seq,
+                               const int64_t *lens, float *out, int64_t rows, int64_t num_tables, int64_t heads,
+                               int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t dim, int64_t max_blocks,
+                               float scale, int bf16, int kv_bf16, int threads) {
+    return trioserve_window_attention(q, k, v, tables, row_seq, lens, out, rows, num_tables, heads, kv_heads, num_blocks,
+                                      block_size, dim, max_blocks, 0, scale, bf16, kv_bf16, threads);
 }
 
 /* fp32 -> bf16, round to nearest even, as torch casts (NaN stays NaN).
@@ -2970,6 +3026,7 @@ typedef struct {
     TsProj qkv, o, gate_up, down;
     const float *q_norm, *k_norm; /* [dim] each, applied to every query and key head before RoPE; NULL: none (a Llama layer) */
     const float *cos, *sin;       /* this layer's RoPE tables [max_position, dim / 2] (Gemma 3's local layers have their own) */
+    int64_t window;               /* a sliding-window layer's keys (`trioserve_window_attention`); 0: the whole history */
 } TsLayer;
 
 typedef struct {
@@ -3060,7 +3117,7 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
     const int bf16 = m->bf16 != 0;
     const size_t es = bf16 ? 2 : 4, kes = m->kv_bf16 ? 2 : 4;
     if (m->num_layers < 1 || rows < 1) return 0;
-    if (m->dim > LANES * 16) return 1 + 48; /* attention's own limit (`trioserve_decode_attention`) */
+    if (m->dim > LANES * 16) return 1 + 48; /* attention's own limit (`trioserve_window_attention`) */
     /* Scratch, sized for the widest layer: the norms' output (also the
      * attention rows cast to bf16), qkv, q, the attention rows in fp32,
      * gate+up, SiLU's output, a projection's output, and one stacked part. */
@@ -3108,10 +3165,10 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
         int64_t end = 0;
         for (int64_t g = 0; g < s->num_groups; g++) {
             const TsGroup *gr = &s->groups[g];
-            code = trioserve_decode_attention((const char *)q + (size_t)(gr->first * nq) * es, kc, vc, gr->tables, gr->row_seq,
+            code = trioserve_window_attention((const char *)q + (size_t)(gr->first * nq) * es, kc, vc, gr->tables, gr->row_seq,
                                               gr->lens, att + gr->first * nq, gr->count, gr->num_tables, m->heads, m->kv_heads,
-                                              s->num_blocks, s->block_size, m->dim, gr->max_blocks, m->scale, bf16, m->kv_bf16,
-                                              s->threads);
+                                              s->num_blocks, s->block_size, m->dim, gr->max_blocks, l->window, m->scale, bf16,
+                                              m->kv_bf16, s->threads);
             if (code) break;
             end = gr->first + gr->count;
         }
