@@ -166,3 +166,62 @@ def build_family(root: Path, family: str, *, tie: bool = False, seed: int = 0) -
         "gguf_f32": write_family_gguf(root / f"{family}-f32.gguf", family, model, tokenizer),
         "gguf_q8_0": write_family_gguf(root / f"{family}-q8_0.gguf", family, model, tokenizer, qtype=Q.Q8_0),
     }
+
+
+# -- encoders -------------------------------------------------------------------------------------------------------
+
+
+def train_wordpiece():
+    """A tiny BERT-style WordPiece tokenizer (lower-casing normalizer, BERT
+    pre-tokenizer, [CLS] text [SEP] post-processor), trained on the tiny corpus."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from tests.tiny_tokenizer import CORPUS
+
+    tok = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(CORPUS * 3, trainer=trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return tok
+
+
+def build_bert(root: Path, *, pooling: str | None = "cls", seed: int = 0) -> dict:
+    """A random BertModel (transformers) saved as an HF directory with its
+    WordPiece tokenizer, and, where ``pooling`` is given, a
+    sentence-transformers pooling module that says so."""
+    import json
+
+    import transformers
+
+    tokenizer = train_wordpiece()
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+            else:
+                p.normal_(0.0, 0.08)
+    model.eval()
+    directory = root / "bert-hf"
+    model.save_pretrained(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast", "cls_token": "[CLS]", "sep_token": "[SEP]"}))
+    if pooling is not None:
+        (directory / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                                                             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))  # fmt: skip
+        (directory / "1_Pooling").mkdir()
+        flags = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
+        (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, flags[pooling]: True}))
+    return {"model": model, "tokenizer": tokenizer, "hf": directory}

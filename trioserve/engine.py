@@ -31,6 +31,7 @@ from trioserve.core.engine_core import CoreSettings, check_request, new_core
 from trioserve.core.trace import Recording, TraceWriter, header, new_trace_path
 from trioserve.errors import EngineClosed, RequestError
 from trioserve.kernels.cpu import resolve_dtype, resolve_kv_dtype
+from trioserve.models.build import build_model, is_encoder
 from trioserve.models.checkpoint import Checkpoint, Progress, checkpoint_digest, load_checkpoint
 from trioserve.models.compute import compute_card, cpu_class
 from trioserve.models.guided import GuideCompiler
@@ -38,8 +39,9 @@ from trioserve.models.decoder import DecoderModel
 from trioserve.models.sampling import new_seed
 from trioserve.models.step_runner import StepRunner, thread_governor
 from trioserve.models.config import ModelConfig
+from trioserve.models.family import family_of
 from trioserve.models.tokenizer import Tokenizer
-from trioserve.state.kv_pool import blocks_for_budget
+from trioserve.state.kv_pool import blocks_for_budget, blocks_needed
 from trioserve.state.stats import EngineStats
 from trioserve.types import Event, FinalEvent, GenerateRequest, SamplingParams
 
@@ -109,6 +111,12 @@ class Engine:
         scheduler frees its blocks within one step. The context's `close()`
         does the same without awaiting anything, for callers that cannot
         (a response body that never started)."""
+        if request.pooling is None and self.is_encoder:
+            raise RequestError(
+                f"model: this model is an encoder ({self.model_config.architecture}): it serves embeddings "
+                "(/v1/embeddings, and /v1/rerank and /v1/score by their cosine), not generation",
+                field="model",
+            )
         return Generation(self, request)
 
     @property
@@ -119,7 +127,14 @@ class Engine:
         if chosen != "auto":
             return chosen
         declared = self.model_config.pooling if self.model_config is not None else None
+        if declared == "cls" and self.is_encoder:  # the first token's state ([CLS]); an encoder's input runs whole
+            return "first"
         return declared if declared in ("mean", "last") else "mean"
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder model (models/bert.py): embeddings only, each input whole in one step."""
+        return self.model_config is not None and family_of(self.model_config.architecture).kind == "encoder"
 
     @property
     def is_reranker(self) -> bool:
@@ -340,7 +355,7 @@ async def open_engine(
             checkpoint = await device.run(lambda: load_checkpoint(config.model, dtype=resolve_dtype(config.dtype, config.device), progress=progress))
         if model is None:
             model = await device.run(
-                lambda: DecoderModel.from_checkpoint(
+                lambda: build_model(
                     checkpoint, use_int4=config.use_int4, device=config.device, batch_invariant=config.batch_invariant,
                     kernels=config.kernels, activations=config.activations, kv_dtype=resolve_kv_dtype(config.kv_cache_dtype),
                     progress=build_progress, max_model_len=config.max_model_len,  # RoPE tables for what is served, not what the file says
@@ -358,8 +373,15 @@ async def open_engine(
 @contextlib.asynccontextmanager
 async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: DecoderModel, device: DeviceThread) -> AsyncIterator[Engine]:
     max_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
-    budget = await device.run(kv_budget, config.kv_cache_bytes, model.device)
-    num_blocks = blocks_for_budget(budget, model.kv_bytes_per_token(), config.block_size)
+    encoder = is_encoder(checkpoint)
+    if encoder:
+        # An encoder's input runs whole in one step (bidirectional attention), so no longer than a
+        # step's budget; it keeps no KV: its blocks are a count of what runs, one full input each.
+        max_len = min(max_len, config.prefill_budget)
+        budget = num_blocks = config.max_num_seqs * blocks_needed(max_len, config.block_size)
+    else:
+        budget = await device.run(kv_budget, config.kv_cache_bytes, model.device)
+        num_blocks = blocks_for_budget(budget, model.kv_bytes_per_token(), config.block_size)
     if num_blocks < 1:
         where = "" if budget == config.kv_cache_bytes else f", or the {budget} bytes {model.device} has free for it"
         raise RequestError(
@@ -376,14 +398,15 @@ async def _open_engine(config: EngineConfig, checkpoint: Checkpoint, model: Deco
         prefill_budget=config.prefill_budget,
         max_queue=config.max_queue,
         retry_after_s=config.retry_after_s,
-        prefix_cache=config.prefix_cache,
-        prefix_cache_max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()) if config.prefix_cache else None,
+        prefix_cache=config.prefix_cache and not encoder,  # an encoder keeps nothing to share
+        prefix_cache_max_blocks=prefix_cache_blocks(config, model.kv_bytes_per_token()) if config.prefix_cache and not encoder else None,
         prefix_cache_idle_s=config.prefix_cache_idle_s,
         # Batch-invariant bf16 computes a generated token's K/V on other weights than a prompt
         # token's, so it must not stand in for one; with int8 activations both take one path.
         share_generated_kv=not config.batch_invariant or model.kernels.activations == "int8",
         draft_tokens=config.draft_tokens,
         max_step_s=config.max_step_ms / 1000,
+        whole_prompts=encoder,
     )
     core = new_core(settings, checkpoint.tokenizer)
     writer = None

@@ -26,8 +26,9 @@ MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_BYTES = 2048  # UTF-8 bytes in all of a request's stop strings
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 # How an embedding request pools its prompt's final hidden states
-# (GenerateRequest.pooling): the last token's, or the mean over all of them.
-POOLING_MODES = ("last", "mean")
+# (GenerateRequest.pooling): the last token's, or the mean over all of them;
+# or the first token's ([CLS]), for an encoder, whose input runs whole in one step.
+POOLING_MODES = ("last", "mean", "first")
 
 
 @attrs.frozen
@@ -275,6 +276,7 @@ class PlanRow:
     pool: int = 0
     adapter: str | None = None  # the LoRA adapter this row runs with (GenerateRequest.adapter)
     score: ScoreRow | None = None
+    pool_first: bool = False  # the pooled token is the chunk's first, not its last (an encoder's [CLS])
 
 
 @attrs.frozen

@@ -48,7 +48,8 @@ async def test_greedy_completion_is_transformers_greedy(nursery, family):
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
         expected = (await client.post("/detokenize", json={"tokens": new})).json()["prompt"]
     assert text == expected
-    assert card["id"] == "tiny"
+    assert card["id"] == "tiny" and card["family"] == family["name"]
+    assert "/v1/chat/completions" in card["routes"] and "/v1/embeddings" in card["routes"]
 
 
 async def test_sliding_window_session_continues_as_stateless_chat(nursery, family):

@@ -284,7 +284,7 @@ def gguf_cut_in_data(tmp, ck, mp):
 
 def gguf_gpt2_architecture(tmp, ck, mp):
     path = _gguf(tmp, "gpt2.gguf", arch="gpt2")
-    return path, path, "unsupported architecture 'gpt2' (supported: gemma3, llama, mistral, phi3, qwen2, qwen3)"
+    return path, path, "unsupported architecture 'gpt2' (supported: bert, gemma3, llama, mistral, phi3, qwen2, qwen3)"
 
 
 def gguf_int32_tensor(tmp, ck, mp):
@@ -363,7 +363,7 @@ def hf_gpt2_model_type(tmp, ck, mp):
     d = _copy(ck["hf"], tmp / "hf")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    return d, d / "config.json", "unsupported model_type 'gpt2' (supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3)"
+    return d, d / "config.json", "unsupported model_type 'gpt2' (supported: bert, gemma3_text, llama, mistral, phi3, qwen2, qwen3)"
 
 
 def hf_garbage_shard(tmp, ck, mp):

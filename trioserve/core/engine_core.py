@@ -119,6 +119,9 @@ class CoreSettings:
     # PREFILL_SHARING): evenly between tenants, then between each tenant's
     # requests. Traces from before it existed shared between tenants only.
     prefill_sharing: str = "requests"
+    # Each prompt runs whole in one step, never in chunks (an encoder's
+    # bidirectional attention needs all of it at once: models/bert.py).
+    whole_prompts: bool = False
 
 
 def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
@@ -139,6 +142,7 @@ def new_core(settings: CoreSettings, tokenizer: Tokenizer) -> EngineCore:
         draft_tokens=settings.draft_tokens,
         max_step_s=settings.max_step_s,
         prefill_sharing=settings.prefill_sharing,
+        whole_prompts=settings.whole_prompts,
     )
     return EngineCore(policy, tokenizer)
 
@@ -302,6 +306,8 @@ class EngineCore:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         check_request(request, self.vocab_size)
+        if request.pooling == "first" and not self.policy.whole_prompts:
+            raise RequestError("pooling 'first' needs each prompt whole in one step (an encoder's engine)", field="pooling")
         params = request.params
         if params.seed is None:
             raise RequestError("the seed must be resolved before a request reaches the engine core", field="seed")
@@ -351,6 +357,7 @@ class EngineCore:
             row.pool,
             seq.adapter,
             score,
+            pool_first=seq.pooling == "first",
         )
 
     def _pool(self, rows: list[PlannedRow], pooling: list[PlannedRow], pooled) -> list[Event]:

@@ -286,7 +286,7 @@ def model_runner(head: dict, source) -> RunStep:
     from trioserve.models.checkpoint import load_checkpoint  # noqa: PLC0415
     from trioserve.models.compute import cpu_class  # noqa: PLC0415
     from trioserve.models.guided import GuideCompiler  # noqa: PLC0415
-    from trioserve.models.decoder import DecoderModel  # noqa: PLC0415
+    from trioserve.models.build import build_model  # noqa: PLC0415
     from trioserve.models.step_runner import StepRunner  # noqa: PLC0415
 
     engine, core = head["engine"], head["core"]
@@ -294,7 +294,7 @@ def model_runner(head: dict, source) -> RunStep:
     # Traces from before #11 carry no batch_invariant: their steps ran the batch-dependent arithmetic;
     # traces from before --activations ran bf16 activations; traces from before #47 sampled with torch's arithmetic.
     invariant = bool(engine.get("batch_invariant", False))
-    model = DecoderModel.from_checkpoint(
+    model = build_model(
         checkpoint, use_int4=engine["use_int4"], device=engine["device"], batch_invariant=invariant, kernels=engine.get("kernels", "auto"),
         activations=engine.get("activations", "bf16"), kv_dtype=resolve_kv_dtype(engine.get("kv_cache_dtype", "auto")),
         max_model_len=core["max_model_len"],  # the recorded core's: no position past it was ever run

@@ -137,7 +137,8 @@ def prompt_ids(engine, inputs: Inputs, limit: int) -> list[list[int]]:
     for i, item in enumerate(inputs.items):
         field = inputs.field(i)
         if isinstance(item, str):
-            ids = engine.tokenizer.encode(item, special=False)
+            # An encoder's input as its tokenizer wraps one ([CLS] ... [SEP]); a decoder's as text.
+            ids = engine.tokenizer.encode_input(item) if engine.is_encoder else engine.tokenizer.encode(item, special=False)
             if not ids:
                 raise RequestError(f"{field}: the text has no tokens", field=field)
         else:

@@ -88,6 +88,14 @@ class Held:
             await self._idle.wait()
 
 
+# The routes a model serves, on its card: every one for a decoder, the embedding ones for an encoder.
+MODEL_ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/sessions", "/v1/embeddings", "/v1/rerank",
+    "/v1/score",
+)  # fmt: skip
+ENCODER_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/score")
+
+
 class Model(Held):
     """One served model: its name, its engine's config and, once ready, the
     engine and what the routes need of it (chat template, reasoning split)."""
@@ -189,6 +197,9 @@ class Model(Held):
             card["batch_invariant"] = engine.config.batch_invariant
             card["activations"] = engine.activations
             card["compute"] = engine.compute
+            card["family"] = engine.model_config.architecture if engine.model_config is not None else None
+            # What the model serves: an encoder gives embeddings alone (models/bert.py).
+            card["routes"] = list(ENCODER_ROUTES if engine.is_encoder else MODEL_ROUTES)
         return card
 
 

@@ -111,6 +111,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     (torch order: [out, in] for matrices)."""
     c = config
     family = family_of(c.architecture)
+    if family.all_shapes is not None:
+        return dict(family.all_shapes(c))
     hidden, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, hidden),

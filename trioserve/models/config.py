@@ -233,8 +233,10 @@ def config_from_gguf(meta: Mapping[str, Any], path: Path, *, vocab_size: int, ti
         tie_embeddings=tie_embeddings,
         attention_bias=family.attention_bias,
         rope_scaling=scaling,
-        **_family_settings(family.gguf_settings, Reader(whole, number, flag, meta.get, lambda v, k: _number(v, k, path, "metadata "), p), path, "metadata "),
-        **_gguf_purpose(meta, p, path),
+        family_fields={
+            **_family_settings(family.gguf_settings, Reader(whole, number, flag, meta.get, lambda v, k: _number(v, k, path, "metadata "), p), path, "metadata "),
+            **_gguf_purpose(meta, p, path),
+        },
     )
 
 
@@ -266,7 +268,10 @@ def _family_settings(read, reader: Reader, path: Path, where: str) -> dict[str, 
         raise CheckpointError(path, f"{where}{reader.prefix}{exc.field!r} {exc.problem}") from None
 
 
-def _build(path: Path, keys: Mapping[str, str], where: str, **fields: Any) -> ModelConfig:
+def _build(path: Path, keys: Mapping[str, str], where: str, family_fields: Mapping[str, Any] = {}, **fields: Any) -> ModelConfig:  # noqa: B006 - read only
+    """The config of ``fields``, the family's own settings (``family_fields``)
+    taking precedence over the common reading (an encoder's norm epsilon)."""
+    fields.update(family_fields)
     try:
         return ModelConfig(**fields)
     except BadSetting as exc:
@@ -345,7 +350,7 @@ def config_from_hf(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         tie_embeddings=tie,
         attention_bias=bias,
         rope_scaling=_hf_rope_scaling(_rope_parameters(raw), path),
-        **_family_settings(family.hf_settings, Reader(whole, number, flag, raw.get, lambda v, k: _number(v, k, path, ""), ""), path, ""),
+        family_fields=_family_settings(family.hf_settings, Reader(whole, number, flag, raw.get, lambda v, k: _number(v, k, path, ""), ""), path, ""),
     )
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from trioserve.models.config import ModelConfig
 
 # The families' modules: each registers itself with `register` when imported.
-FAMILY_MODULES = ("trioserve.models.llama", "trioserve.models.qwen3", "trioserve.models.gemma3", "trioserve.models.phi3")
+FAMILY_MODULES = ("trioserve.models.llama", "trioserve.models.qwen3", "trioserve.models.gemma3", "trioserve.models.phi3", "trioserve.models.bert")
 
 MIXERS = ("attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -119,6 +119,14 @@ class Family:
     hf_norm_offset: float = 0.0
     attention_bias: bool = False
     fused_layer_tensors: Callable[[ModelConfig], Mapping[str, tuple[tuple[str, int], ...]]] = lambda c: {}
+    # An encoder (bidirectional attention, no output head: embeddings only) rather than a decoder.
+    kind: str = "decoder"
+    # GGUF top-level tensor name -> internal name, beyond the common embedding, norm and head.
+    gguf_top_tensors: Mapping[str, str] = attrs.field(factory=dict)
+    # An HF directory's tensor name -> the internal name, or None for one not used (None: names as they are).
+    hf_names: Callable[[str], str | None] | None = None
+    # Every tensor the model needs with its shape, where the family's set is not a Llama's (None: the Llama set).
+    all_shapes: Callable[[ModelConfig], Mapping[str, tuple[int, ...]]] | None = None
 
     def split_layer_tensors(self, config: ModelConfig) -> Mapping[str, tuple[tuple[str, int], ...]]:
         """HF per-layer name of a matrix the family's files hold fused ->

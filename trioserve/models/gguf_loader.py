@@ -63,8 +63,9 @@ def _layer_names(family: Family | None) -> dict[str, str]:
 
 def hf_name(gguf_name: str, family: Family | None = None) -> str | None:
     """The HF name for a GGUF tensor name, or None for tensors we do not use."""
-    if gguf_name in _TOP:
-        return _TOP[gguf_name]
+    top = {**_TOP, **(family.gguf_top_tensors if family is not None else {})}
+    if gguf_name in top:
+        return top[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
     layer = _layer_names(family)
     if m and m.group(2) in layer:
@@ -74,7 +75,7 @@ def hf_name(gguf_name: str, family: Family | None = None) -> str | None:
 
 def gguf_name(name: str, family: Family | None = None) -> str:
     """The inverse of `hf_name`, for messages about missing tensors."""
-    for g, h in _TOP.items():
+    for g, h in {**_TOP, **(family.gguf_top_tensors if family is not None else {})}.items():
         if h == name:
             return g
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)

@@ -116,12 +116,26 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
         config = attrs.evolve(config, pooling=pooling)
     tokenizer = load_hf_tokenizer(directory)
     owner = _shards(directory)
+    rename = family_of(config.architecture).hf_names
+    if rename is not None:  # the family's own names for an HF model's tensors (models/family.py)
+        renamed = {}
+        for name, file in owner.items():
+            ours = rename(name)
+            if ours is not None:
+                renamed[ours] = (name, file)
+        file_name = {ours: name for ours, (name, _) in renamed.items()}
+        owner = {ours: file for ours, (_, file) in renamed.items()}
+    else:
+        file_name = {name: name for name in owner}
     check_layers(directory / "config.json", config, owner, key="num_hidden_layers")
     shapes = {}
+    ours_of = {name: ours for ours, name in file_name.items()}
     for file in sorted(set(owner.values())):
         handle = _open(file)
         for name in handle.keys():
-            shapes[name] = tuple(handle.get_slice(name).get_shape())
+            if name in ours_of:
+                shapes[ours_of[name]] = tuple(handle.get_slice(name).get_shape())
+
     def rows(shape) -> int:
         return int(shape[0])
 
@@ -141,7 +155,7 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | Non
         handle = _open(file)
         for name in names:
             try:
-                tensor = handle.get_tensor(name)
+                tensor = handle.get_tensor(file_name[name])
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(file, f"cannot read tensor {name!r} ({exc})") from exc
             if not torch.isfinite(tensor.float()).all():

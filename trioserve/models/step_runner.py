@@ -239,7 +239,7 @@ def pooled_rows(plan: StepPlan, chunks: list[SeqChunk]) -> tuple[list[int], list
         became = chunks[k : k + (len(r.token_ids) if r.sample is not None and r.sample.draft else 1)]
         if r.pool:
             end = at + len(became[0].token_ids)
-            positions.extend(range(end - r.pool, end))
+            positions.extend(range(at, at + r.pool) if r.pool_first else range(end - r.pool, end))
             counts.append(r.pool)
         k += len(became)
         at += sum(len(c.token_ids) for c in became)

@@ -322,6 +322,8 @@ class Tokenizer:
         gen_eos = gen.get("eos_token_id")
         gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
         eos_id = token_id("eos_token")
+        if eos_id is None and not gen_eos:
+            eos_id = token_id("sep_token")  # a BERT tokenizer's end of input ([SEP]): an encoder's
         if eos_id is None:
             if not gen_eos:
                 raise TokenizerError(f"{path}: no eos_token in tokenizer_config.json or generation_config.json")
@@ -422,6 +424,15 @@ class Tokenizer:
             ids.extend(self._spm.encode(text, parse_special=False))
         else:
             ids.extend(_encode_with(self._plain(), text))
+
+    def encode_input(self, text: str) -> list[int]:
+        """An encoder's input: `text` as text (special-token spellings are
+        not their ids), wrapped as the tokenizer's own post-processor wraps
+        an input ([CLS] text [SEP] for a BERT tokenizer.json); where there
+        is none (GGUF files), as `encode` with the checkpoint's BOS/EOS."""
+        if self.byte_level or self._spm is not None:
+            return self.encode(text, special=False)
+        return self._plain().encode(text, add_special_tokens=True).ids
 
     def _plain(self) -> tokenizers.Tokenizer:
         """A copy of the backend that reads special-token text as text

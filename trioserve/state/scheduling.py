@@ -104,8 +104,8 @@ class PlannedRow:
         all of them for "mean", the prompt's last one for "last"."""
         if self.seq.pooling == "mean":
             return len(self.tokens)
-        if self.seq.pooling == "last" and self.start + len(self.tokens) == len(self.seq.prompt_ids):
-            return 1
+        if self.seq.pooling in ("last", "first") and self.start + len(self.tokens) == len(self.seq.prompt_ids):
+            return 1  # "first": the prompt's first token (PlanRow.pool_first), its chunk the whole prompt
         return 0
 
 
@@ -125,12 +125,14 @@ class SchedulingPolicy:
         max_step_s: float = 0.0,
         prefill_sharing: str = "requests",
         clock: Callable[[], float] = time.monotonic,
+        whole_prompts: bool = False,
     ) -> None:
         if prefill_sharing not in PREFILL_SHARING:
             raise ValueError(f"prefill_sharing must be one of {PREFILL_SHARING}, got {prefill_sharing!r}")
         self.pool = pool
         self.max_step_s = max_step_s
         self.prefill_sharing = prefill_sharing
+        self.whole_prompts = whole_prompts  # a prompt runs whole in one step (an encoder's)
         # What steps cost, from `timed`: a decode-only step, and each prompt
         # token a step carries (over the decode rows' part).
         self.decode_step_s: float | None = None
@@ -253,7 +255,11 @@ class SchedulingPolicy:
             budget -= 1 + len(draft)
         if decoding and prefilling:
             budget = min(budget, self._prompt_room())
-        for seq, count in prefill_shares(prefilling, budget, even=self.prefill_sharing == "requests"):
+        if self.whole_prompts:
+            shares = whole_shares(prefilling, budget)
+        else:
+            shares = prefill_shares(prefilling, budget, even=self.prefill_sharing == "requests")
+        for seq, count in shares:
             rows.append(PlannedRow(seq, seq.pending(count), seq.num_cached))
         return rows
 
@@ -351,6 +357,20 @@ PREFILL_SHARING = ("requests", "tenants")  # SchedulingPolicy's prefill_sharing:
 def _blend(old: float | None, new: float) -> float:
     """A running estimate: the newest value weighs COST_WEIGHT."""
     return new if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * new
+
+
+def whole_shares(prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    """Whole prompts, in admission order, while they fit in ``budget``
+    tokens: a prompt that does not fit waits for a later step (none is
+    longer than a step's budget: the engine's max_model_len says so)."""
+    shares = []
+    for seq in prefilling:
+        need = len(seq.prompt_ids) - seq.num_cached
+        if need > budget:
+            break
+        shares.append((seq, need))
+        budget -= need
+    return shares
 
 
 def fair_split(needs: list[int], budget: int) -> list[int]:
