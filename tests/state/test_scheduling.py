@@ -164,6 +164,24 @@ def test_plan_shares_each_steps_prefill_between_the_requests(make):
     assert [(r.seq, len(r.tokens), r.start, r.samples) for r in rows] == [(c, 1, 2, True), (a, 2, 5, True), (b, 3, 3, True)]
 
 
+def test_whole_prompts_are_never_cut(make):
+    """An encoder's engine (whole_prompts): each prompt runs whole in one
+    step, in admission order while the budget holds it; one that does not
+    fit waits for the next step, and none is ever split."""
+    p = SchedulingPolicy(BlockPool(64, BS), max_num_seqs=8, max_model_len=10, prefill_budget=10, max_queue=64, whole_prompts=True)
+    a, b, c = make("a", 7, 0), make("b", 6, 0), make("c", 2, 0)
+    for seq in (a, b, c):
+        seq.pooling = "mean"
+        p.enqueue(seq)
+    p.admit(0.0)
+    rows = p.plan()
+    assert [(r.seq, len(r.tokens), r.start) for r in rows] == [(a, 7, 0)]  # b's 6 do not fit beside a's 7: c waits behind it
+    p.stepped(rows)
+    p.finish(a, "stop")
+    rows = p.plan()
+    assert [(r.seq, len(r.tokens), r.start) for r in rows] == [(b, 6, 0), (c, 2, 0)]
+
+
 def test_plan_takes_prefill_chunks_in_admission_order_as_older_traces_did(make):
     p = policy(budget=10, sharing="tenants")
     a, b, c = make("a", 7, 2), make("b", 6, 2), make("c", 2, 2)
