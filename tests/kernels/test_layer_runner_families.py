@@ -127,3 +127,29 @@ def test_phi3_runs_in_c_with_the_per_call_bits(level, phi3, dtype, kv_dtype):
     assert {spec.window for spec in one_call.specs} == {8}
     assert one_call.runner is not None
     _same_bits(one_call, per_call, _steps(True))
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return build_family(tmp_path_factory.mktemp("gemma3"), "gemma3", tie=True)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
+def test_gemma3_layers_run_in_c_with_the_per_call_bits(level, gemma3, dtype, kv_dtype):
+    """Gemma 3: five local layers (a window of 8, their own RoPE tables) to a
+    global one, q/k norm, sandwich norms, GeGLU; the embedding scale and
+    the soft-capped head stay in Python."""
+    one_call, per_call = _twins(gemma3["gguf_q8_0"], dtype, kv_dtype)
+    assert [spec.window for spec in one_call.specs] == [8, 8, 8, 8, 8, None, 8]
+    assert one_call.runner is not None, "Gemma 3's layers on the codes kernels: the C loop should take them"
+    layers = one_call.runner._layers
+    assert [layer.window for layer in layers] == [8, 8, 8, 8, 8, 0, 8]
+    assert all(layer.post_attn_norm and layer.post_mlp_norm and layer.q_norm and layer.activation == 1 for layer in layers)
+    assert layers[0].cos != layers[5].cos and layers[0].cos == layers[1].cos  # local and global RoPE tables
+    _same_bits(one_call, per_call, _steps(True))
+
+
+def test_gemma3_without_batch_invariance_too(level, gemma3):
+    one_call, per_call = _twins(gemma3["gguf_q8_0"], torch.float32, None, batch_invariant=False)
+    assert one_call.runner is not None
+    _same_bits(one_call, per_call, _steps(False))

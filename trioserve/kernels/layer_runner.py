@@ -29,6 +29,8 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 MAX_PARTS = 4  # TS_MAX_PARTS: the most types one fused projection mixes
 # TsMat kinds.
 INT4_Q8, INT6_Q8, INT6S_Q8, INT8_Q8, W16 = 1, 2, 3, 4, 5
+# TsLayer activations (models/family.ACTIVATIONS).
+ACTIVATION = {"silu": 0, "gelu_tanh": 1}
 # Which kernel a nonzero return came from (its code plus 16 times this).
 _FAILED = {1: "a projection", 2: "rope_write_kv", 3: "decode_attention"}
 
@@ -44,7 +46,8 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
-        ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr), ("window", _i64),
+        ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr), ("window", _i64), ("post_attn_norm", _ptr),
+        ("post_mlp_norm", _ptr), ("activation", _i32),
     ]  # fmt: skip
 
 
@@ -59,13 +62,13 @@ def runs_in_c(spec) -> bool:
     """Whether the C loop computes a layer of this description
     (models/family.LayerSpec): a Llama layer, with or without q/k norm
     (Qwen3), attending to the whole history or within a sliding window
-    (Mistral, Phi-3), at any RoPE base and scaling (each layer's own
-    tables). Any other field (and any field a later LayerSpec adds) sends
-    the model layer by layer through Python."""
+    (Mistral, Phi-3), with or without sandwich norms, SwiGLU or GeGLU
+    (Gemma 3), at any RoPE base and scaling (each layer's own tables). Any
+    other field (any field a later LayerSpec adds, an activation the loop
+    lacks) sends the model layer by layer through Python."""
     plain = type(spec)()  # the default description: a Llama layer
-    return spec == attrs.evolve(
-        plain, mixer=spec.mixer, window=spec.window, rope_theta=spec.rope_theta, rope_scaled=spec.rope_scaled, qk_norm=spec.qk_norm
-    )
+    known = ("mixer", "window", "rope_theta", "rope_scaled", "qk_norm", "sandwich_norms", "activation")
+    return spec.activation in ACTIVATION and spec == attrs.evolve(plain, **{name: getattr(spec, name) for name in known})
 
 
 class _Group(ctypes.Structure):
@@ -159,12 +162,17 @@ class LayerRunner:
             if any(t is None or t.shape != (c.head_dim,) for t in qk):
                 return None
             q_norm, k_norm = (qk[0].data_ptr(), qk[1].data_ptr()) if qk else (None, None)
+            sandwich = [getattr(layer, "post_attn_norm", None), getattr(layer, "post_mlp_norm", None)] if spec.sandwich_norms else []
+            if any(t is None or t.shape != (c.hidden_size,) for t in sandwich):
+                return None
+            post_attn, post_mlp = (sandwich[0].data_ptr(), sandwich[1].data_ptr()) if sandwich else (None, None)
             if spec.window is not None and spec.window < 1:
                 return None
             array[i] = _Layer(
-                layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *projs, q_norm, k_norm, cos.data_ptr(), sin.data_ptr(), spec.window or 0
+                layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), *projs, q_norm, k_norm, cos.data_ptr(), sin.data_ptr(), spec.window or 0,
+                post_attn, post_mlp, ACTIVATION[spec.activation],
             )  # fmt: skip
-            keep += [layer.attn_norm, layer.mlp_norm, cos, sin, *qk]
+            keep += [layer.attn_norm, layer.mlp_norm, cos, sin, *qk, *sandwich]
         for t in keep:
             if t.dtype != torch.float32 or not t.is_contiguous():
                 return None

@@ -136,6 +136,29 @@ def silu_mul(gate_up: torch.Tensor, *, checked: bool = True, lib: ctypes.CDLL | 
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor, *, checked: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """GeGLU: ``gelu(gate) * up`` (gelu's tanh approximation) of packed rows
+    [T, 2F] (gate then up), in fp32, rounded once to gate_up's dtype
+    (bfloat16 or float32): [T, F]. The same bits at every instruction-set
+    level; within rounding of torch's ``F.gelu(gate, approximate="tanh") *
+    up`` in fp32 (the reference set's, `Kernels.gelu_tanh_mul`), not its
+    bits. ``checked=False``: as for `decode_attention`."""
+    lib = _lib(lib)
+    if checked:
+        gate_up = gate_up.contiguous()
+        _float_kind(gate_up)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise RuntimeError(f"gelu_tanh_mul takes rows [T, 2F], got {tuple(gate_up.shape)}")
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    fn = lib.trioserve_gelu_tanh_mul
+    if fn.argtypes is None:
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16))
+    return out
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,

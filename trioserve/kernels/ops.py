@@ -66,6 +66,12 @@ class Kernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU: gelu(gate) (tanh approximation) * up of packed rows [T, 2F]
+        (gate, then up), computed in fp32 and cast back: [T, F]."""
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+
     def rope_write_kv(
         self,
         qkv: torch.Tensor,
@@ -146,6 +152,9 @@ class NativeKernels(Kernels):
 
     def silu_mul(self, gate_up):
         return self._native.silu_mul(gate_up.contiguous(), checked=False, lib=self._lib)
+
+    def gelu_tanh_mul(self, gate_up):
+        return self._native.gelu_tanh_mul(gate_up.contiguous(), checked=False, lib=self._lib)
 
     def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
         return self._native.rope_write_kv(qkv.contiguous(), positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, checked=False, lib=self._lib)

@@ -71,12 +71,6 @@ class _Layer:
     post_mlp_norm: torch.Tensor | None = None  # on the MLP's output (sandwich norms)
 
 
-def _gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU: gelu(gate, tanh approximation) * up, of [T, 2F] halves, in fp32, cast back."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, divisors: torch.Tensor | None) -> torch.Tensor:
     """Rotary frequencies [head_dim / 2] in fp64, after scaling."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -458,7 +452,7 @@ class DecoderModel:
                 o = self.kernels.rms_norm(o.float().contiguous(), layer.post_attn_norm, c.rms_eps, torch.float32)
             x = self._add_rms_norm(h, o, layer.mlp_norm)
             gate_up = project(layer.gate_up, x, i, "gate_up")
-            act = kernels.silu_mul(gate_up) if spec.activation == "silu" else _gelu_tanh_mul(gate_up)
+            act = kernels.silu_mul(gate_up) if spec.activation == "silu" else kernels.gelu_tanh_mul(gate_up)
             down = project(layer.down, act, i, "down")
             if layer.post_mlp_norm is not None:
                 down = self.kernels.rms_norm(down.float().contiguous(), layer.post_mlp_norm, c.rms_eps, torch.float32)

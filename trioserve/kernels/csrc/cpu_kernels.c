@@ -7,7 +7,7 @@
  *                               the same within a sliding window
  *   trioserve_rms_norm          RMSNorm of fp32 rows, cast to the weights' dtype
  *   trioserve_add_rms_norm      the residual add, in place, then that RMSNorm
- *   trioserve_silu_mul          the MLP's silu(gate) * up
+ *   trioserve_silu_mul          the MLP's silu(gate) * up (trioserve_gelu_tanh_mul: GeGLU's gelu(gate) * up)
  *   trioserve_rope_write_kv     RoPE on q and k of packed qkv rows, k and v stored in the pool
  *   trioserve_int4_matmul       decode rows times GGUF 4-bit weights (AVX-512 BF16 CPUs; at the end)
  *   trioserve_int8_matmul       rows times an 8-bit weight with a scale per output (the output head; AVX-512
@@ -982,6 +982,69 @@ void trioserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t f, int 
         for (; i < f; i++) {
             const float g = load(gu, r * 2 * f + i, bf16), u = load(gu, r * 2 * f + f + i, bf16);
             store(out, r * f + i, silu(g) * u, bf16);
+        }
+    }
+}
+
+/* GeGLU's gelu, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi)
+ * (x + 0.044715 x^3), computed as x sigmoid(2 u) = x / (1 + e^-2u) (the same
+ * function), with `exp_nonpositive` of a non-positive argument only, as
+ * `silu`: z = 2u = GELU_Z (x + GELU_A x^3), x^3 as (x x) x. Unfused, and
+ * the same operations in every width below, so every build gives its bits. */
+#define GELU_A 0.044715f
+#define GELU_Z 1.5957691216057308f /* 2 sqrt(2 / pi) */
+static inline float gelu_tanh(float x) {
+    const float z = GELU_Z * (x + GELU_A * (x * x * x));
+    if (z >= 0.0f) return x / (1.0f + exp_nonpositive(-z));
+    const float e = exp_nonpositive(z);
+    return x * e / (1.0f + e);
+}
+
+#if defined(__AVX512F__)
+/* `gelu_tanh` of 16 lanes, the same operations (a lane with z < 0 takes e^z). */
+static inline __m512 gelu_tanh16(__m512 x) {
+    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 z = _mm512_mul_ps(_mm512_set1_ps(GELU_Z), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(GELU_A), x3)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 e = exp_nonpositive16(_mm512_mask_sub_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), neg, z, _mm512_setzero_ps()));
+    const __m512 num = _mm512_mask_mul_ps(x, neg, x, e);
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* `gelu_tanh16`'s operations on 8 lanes (float32 rows). */
+static inline __m256 gelu_tanh8(__m256 x) {
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(GELU_Z), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(GELU_A), x3)));
+    const __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 e = exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), z, neg));
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+#endif
+
+/* out[t, i] = gelu_tanh(gu[t, i]) * gu[t, f + i] for i < f, gu [rows, 2f]
+ * (GeGLU: Gemma's MLP): as `trioserve_silu_mul`, the product in fp32 rounded
+ * once to out's dtype (bf16 or fp32, as gu); the same bits in every build. */
+void trioserve_gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t f, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= f; i += 16) {
+            const __m512 y = _mm512_mul_ps(gelu_tanh16(load16(gu, r * 2 * f + i, bf16)), load16(gu, r * 2 * f + f + i, bf16));
+            if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * f + i), bf16_of16(y));
+            else _mm512_storeu_ps((float *)out + r * f + i, y);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (!bf16)
+            for (; i + 8 <= f; i += 8) {
+                const float *g = (const float *)gu + r * 2 * f;
+                _mm256_storeu_ps((float *)out + r * f + i, _mm256_mul_ps(gelu_tanh8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(g + f + i)));
+            }
+#endif
+        for (; i < f; i++) {
+            const float g = load(gu, r * 2 * f + i, bf16), u = load(gu, r * 2 * f + f + i, bf16);
+            store(out, r * f + i, gelu_tanh(g) * u, bf16);
         }
     }
 }
@@ -3027,7 +3090,13 @@ typedef struct {
     const float *q_norm, *k_norm; /* [dim] each, applied to every query and key head before RoPE; NULL: none (a Llama layer) */
     const float *cos, *sin;       /* this layer's RoPE tables [max_position, dim / 2] (Gemma 3's local layers have their own) */
     int64_t window;               /* a sliding-window layer's keys (`trioserve_window_attention`); 0: the whole history */
+    /* Sandwich norms (Gemma 3): [hidden] each, RMS-normed in fp32 onto the attention's and the MLP's output before
+     * each is added to the stream (mlp_norm is then the pre-feedforward norm); NULL: none. */
+    const float *post_attn_norm, *post_mlp_norm;
+    int32_t activation; /* TS_SILU or TS_GELU_TANH (GeGLU) */
 } TsLayer;
+
+enum { TS_SILU = 0, TS_GELU_TANH = 1 };
 
 typedef struct {
     const TsLayer *layers;
@@ -3090,6 +3159,19 @@ static int64_t ts_widest(const TsProj *p, int64_t most) {
     return p->n > most ? p->n : most;
 }
 
+/* A sandwich norm: a projection's output rows `y` [rows, hidden] (the
+ * weights' dtype) widened to fp32 into `out` and RMS-normed there in place
+ * (`rms_norm_row` reads a row whole before it writes it), as the Python
+ * forward's `rms_norm(o.float(), w, eps, float32)`. Returns out. */
+static float *ts_post_norm(const void *y, const float *weight, float *out, int64_t rows, int64_t hidden, float eps, int bf16) {
+    if (bf16)
+        for (int64_t j = 0; j < rows * hidden; j++) out[j] = bf16_to_float(((const uint16_t *)y)[j]);
+    else
+        memcpy(out, y, (size_t)(rows * hidden) * sizeof(float));
+    trioserve_rms_norm(out, weight, out, rows, hidden, eps, 0);
+    return out;
+}
+
 /* q/k norm (Qwen3, Gemma 3): each query head of packed qkv rows [rows,
  * (H + 2 KVH) dim] RMS-normed with q_norm and each key head with k_norm, in
  * place: the head widened to fp32, normed as `trioserve_rms_norm` computes
@@ -3133,7 +3215,7 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
     }
     const int64_t w_x = hidden > nq ? hidden : nq;
     const size_t cells = (size_t)rows * (size_t)(w_x + w_qkv + nq + w_gu + w_ffn + hidden + w_part);
-    char *arena = (char *)malloc(cells * es + (size_t)(rows * nq) * sizeof(float) + 64);
+    char *arena = (char *)malloc(cells * es + (size_t)(rows * (nq + hidden)) * sizeof(float) + 64);
     if (arena == NULL) return 64;
     void *x = arena;
     void *qkv = (char *)x + (size_t)(rows * w_x) * es;
@@ -3143,6 +3225,7 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
     void *delta = (char *)act + (size_t)(rows * w_ffn) * es;
     void *part = (char *)delta + (size_t)(rows * hidden) * es;
     float *att = (float *)(void *)((char *)part + (size_t)(rows * w_part) * es);
+    float *normed = att + rows * nq; /* a sandwich norm's fp32 output */
     const int64_t layer_cells = m->kv_heads * s->num_blocks * s->block_size * m->dim;
     const int64_t num_slots = s->num_blocks * s->block_size;
     int code = 0;
@@ -3187,20 +3270,27 @@ int trioserve_run_layers(const TsModel *m, const TsStep *s, float *h) {
             code += 16;
             break;
         }
-        trioserve_add_rms_norm(h, delta, l->mlp_norm, x, rows, hidden, m->eps, bf16, bf16);
+        /* The stream's update: the projection's rows, or (sandwich norms) their fp32 norm. */
+        const void *update = delta;
+        int update_bf16 = bf16;
+        if (l->post_attn_norm) update = ts_post_norm(delta, l->post_attn_norm, normed, rows, hidden, m->eps, bf16), update_bf16 = 0;
+        trioserve_add_rms_norm(h, update, l->mlp_norm, x, rows, hidden, m->eps, update_bf16, bf16);
         if ((code = ts_proj(&l->gate_up, x, gu, part, rows, bf16, s->threads))) {
             code += 16;
             break;
         }
-        trioserve_silu_mul(gu, act, rows, l->gate_up.n / 2, bf16);
+        if (l->activation == TS_GELU_TANH) trioserve_gelu_tanh_mul(gu, act, rows, l->gate_up.n / 2, bf16);
+        else trioserve_silu_mul(gu, act, rows, l->gate_up.n / 2, bf16);
         if ((code = ts_proj(&l->down, act, delta, part, rows, bf16, s->threads))) {
             code += 16;
             break;
         }
+        update = delta, update_bf16 = bf16;
+        if (l->post_mlp_norm) update = ts_post_norm(delta, l->post_mlp_norm, normed, rows, hidden, m->eps, bf16), update_bf16 = 0;
         if (i + 1 < m->num_layers) {
-            trioserve_add_rms_norm(h, delta, m->layers[i + 1].attn_norm, x, rows, hidden, m->eps, bf16, bf16);
+            trioserve_add_rms_norm(h, update, m->layers[i + 1].attn_norm, x, rows, hidden, m->eps, update_bf16, bf16);
         } else {
-            for (int64_t j = 0; j < rows * hidden; j++) h[j] += load(delta, j, bf16);
+            for (int64_t j = 0; j < rows * hidden; j++) h[j] += load(update, j, update_bf16);
         }
     }
     free(arena);
