@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tests.k_quants import quantize_q4_k
+from tests.tiny_model import add_metadata
 from tests.tiny_tokenizer import gguf_tokenizer_metadata, train_tiny_tokenizer, write_hf_tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -122,15 +123,7 @@ def write_family_gguf(
     writer.add_rope_freq_base(10000.0 if family == "phi3" else 1000000.0)
     if family in ("gemma3", "phi3"):
         writer.add_sliding_window(shape["sliding_window"])
-    for key, value in {**gguf_tokenizer_metadata(tokenizer), **(extra or {})}.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, list(value))
+    add_metadata(writer, {**gguf_tokenizer_metadata(tokenizer), **(extra or {})})
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

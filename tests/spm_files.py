@@ -26,6 +26,7 @@ import gguf
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
+from tests.tiny_model import add_metadata
 from tests.tiny_tokenizer import CORPUS
 
 SPACE = "\u2581"
@@ -194,17 +195,7 @@ def write_spm_gguf(path: Path, meta: dict[str, Any], *, arch: str = "llama") -> 
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif key == "tokenizer.ggml.scores":
-            writer.add_array(key, [float(v) for v in value])
-        else:
-            writer.add_array(key, list(value))
+    add_metadata(writer, meta)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -120,6 +120,22 @@ def _gguf_tensor_name(name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER[rest]}"
 
 
+def add_metadata(writer: gguf.GGUFWriter, meta: dict) -> None:
+    """GGUF metadata as llama.cpp's converter types it: booleans, whole
+    numbers as uint32, texts, and arrays (scores as floats)."""
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif key == "tokenizer.ggml.scores":
+            writer.add_array(key, [float(v) for v in value])
+        else:
+            writer.add_array(key, list(value))
+
+
 def write_gguf(
     path: Path,
     weights: dict[str, np.ndarray],
@@ -155,15 +171,7 @@ def write_gguf(
     writer.add_rope_freq_base(shape["rope_theta"])
     writer.add_layer_norm_rms_eps(shape["rms_norm_eps"])
     writer.add_rope_dimension_count(shape["hidden_size"] // heads)
-    for key, value in gguf_tokenizer_metadata(tokenizer, chat_template=chat_template).items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, list(value))
+    add_metadata(writer, gguf_tokenizer_metadata(tokenizer, chat_template=chat_template))
     for name, array in weights.items():
         if name.endswith("q_proj.weight"):
             array = permute_rows(array, heads)  # heads of this shape

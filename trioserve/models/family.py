@@ -71,6 +71,16 @@ class LayerSpec:
 PLAIN = LayerSpec()
 
 
+def every_layer(config: ModelConfig, **spec: Any) -> list[LayerSpec]:
+    """The same layer ``spec`` at the config's RoPE base on every layer,
+    each attending within the config's sliding window where it sets one
+    shorter than the context (Mistral 7B v0.1, Phi-3-mini)."""
+    window = config.sliding_window
+    if window is not None and window < config.max_position:
+        spec = {"mixer": "sliding_attention", "window": window, **spec}
+    return [LayerSpec(rope_theta=config.rope_theta, **spec)] * config.num_layers
+
+
 # A family's reading of its own settings: from the file's mapping of keys
 # (GGUF metadata with the "<arch>." prefix, or config.json), through the
 # loader's checked readers, into ModelConfig fields beyond the common ones.

@@ -20,16 +20,16 @@ from trioserve.models.tokenizer import Tokenizer
 INDEX = "model.safetensors.index.json"
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object file, read as untrusted (models/files.py)."""
+def _read_json(path: Path, kind: type = dict):
+    """A JSON file holding a ``kind`` (an object; a list), read as untrusted (models/files.py)."""
     try:
         value = json.loads(read_text(path, MAX_JSON))
     except FileRefused as exc:
         raise CheckpointError(path, exc.problem) from None
     except (json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(path, f"not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(path, f"holds a JSON {type(value).__name__}, not an object")
+    if not isinstance(value, kind):
+        raise CheckpointError(path, f"holds a JSON {type(value).__name__}, not {'an object' if kind is dict else 'a list'}")
     return value
 
 
@@ -87,15 +87,7 @@ def hf_pooling(directory: Path) -> str | None:
     modules_file = directory / "modules.json"
     if not modules_file.exists():
         return None
-    try:
-        modules = json.loads(read_text(modules_file, MAX_JSON))
-    except FileRefused as exc:
-        raise CheckpointError(modules_file, exc.problem) from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(modules_file, f"not valid JSON ({exc})") from None
-    if not isinstance(modules, list):
-        raise CheckpointError(modules_file, "is not a JSON list of modules")
-    for module in modules:
+    for module in _read_json(modules_file, list):
         if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
             where = module.get("path")
             if not isinstance(where, str) or Path(where).is_absolute() or ".." in Path(where).parts:

@@ -7,15 +7,8 @@ Llama and Mistral Q/K rows (undone at load); Qwen2's it leaves alone."""
 
 from __future__ import annotations
 
-from trioserve.models.config import BadSetting, ModelConfig
-from trioserve.models.family import Family, LayerSpec, register
-
-
-def _layers(config: ModelConfig) -> list[LayerSpec]:
-    window = config.sliding_window
-    if window is None or window >= config.max_position:
-        return [LayerSpec(rope_theta=config.rope_theta)] * config.num_layers
-    return [LayerSpec(mixer="sliding_attention", window=window, rope_theta=config.rope_theta)] * config.num_layers
+from trioserve.models.config import BadSetting
+from trioserve.models.family import Family, every_layer, register
 
 
 def _hf_window(read) -> dict:
@@ -32,10 +25,10 @@ def _qwen2_window(read) -> dict:
 
 LLAMA = register(
     Family(
-        name="llama", gguf_architectures=("llama", "mistral"), hf_model_types=("llama", "mistral"), layers=_layers, hf_settings=_hf_window,
+        name="llama", gguf_architectures=("llama", "mistral"), hf_model_types=("llama", "mistral"), layers=every_layer, hf_settings=_hf_window,
         permuted_qk=True,
     )  # fmt: skip
 )
 QWEN2 = register(
-    Family(name="qwen2", gguf_architectures=("qwen2",), hf_model_types=("qwen2",), layers=_layers, hf_settings=_qwen2_window, attention_bias=True)
+    Family(name="qwen2", gguf_architectures=("qwen2",), hf_model_types=("qwen2",), layers=every_layer, hf_settings=_qwen2_window, attention_bias=True)
 )

@@ -8,14 +8,7 @@ rotary embeddings (Phi-4-mini) are refused at load, with the setting named."""
 from __future__ import annotations
 
 from trioserve.models.config import ModelConfig
-from trioserve.models.family import Family, LayerSpec, register
-
-
-def _layers(config: ModelConfig) -> list[LayerSpec]:
-    window = config.sliding_window
-    if window is None or window >= config.max_position:
-        return [LayerSpec(rope_theta=config.rope_theta)] * config.num_layers
-    return [LayerSpec(mixer="sliding_attention", window=window, rope_theta=config.rope_theta)] * config.num_layers
+from trioserve.models.family import Family, every_layer, register
 
 
 def _fused(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -36,7 +29,7 @@ PHI3 = register(
         name="phi3",
         gguf_architectures=("phi3",),
         hf_model_types=("phi3",),
-        layers=_layers,
+        layers=every_layer,
         gguf_settings=lambda read: _window(read, read.prefix + "attention.sliding_window"),
         hf_settings=lambda read: _window(read, "sliding_window"),
         gguf_layer_tensors={"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},

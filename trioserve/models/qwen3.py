@@ -6,11 +6,11 @@ RoPE, with no Q/K/V biases, and heads whose width is set on its own
 from __future__ import annotations
 
 from trioserve.models.config import BadSetting, ModelConfig
-from trioserve.models.family import Family, LayerSpec, register
+from trioserve.models.family import Family, LayerSpec, every_layer, register
 
 
 def _layers(config: ModelConfig) -> list[LayerSpec]:
-    return [LayerSpec(rope_theta=config.rope_theta, qk_norm=True)] * config.num_layers
+    return every_layer(config, qk_norm=True)
 
 
 def _hf_settings(read) -> dict:
