@@ -32,7 +32,7 @@ def add_completion_routes(app, state: ServerState) -> None:
             engine = model.engine
             check_n(engine, req.n)
             messages = map(message_dict, req.messages)  # made in the thread that renders them
-            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, messages, req.tools, req.tool_choice)
+            prompt_ids = await off_loop(render_prompt_ids, engine.tokenizer, model.template, messages, req.tools, req.tool_choice, req.chat_template_kwargs)
             check_request_tokens(state, "messages", [prompt_ids], req.n, max_len=engine.max_model_len)
             params = sampling_params(req, default_max_tokens=default_max_tokens(state, engine, prompt_ids, "messages"))
             params = attrs.evolve(params, prompt_logprobs=req.prompt_logprobs)

@@ -138,3 +138,28 @@ def guide_spec(request: ChatCompletionRequest | CompletionRequest) -> GuideSpec 
     if request.guided_choice is not None:
         return GuideSpec("choice", request.guided_choice, "guided_choice")
     return None
+
+
+# chat_template_kwargs (vLLM's and llama.cpp's field): template variables a
+# request sets, e.g. Qwen3's {"enable_thinking": false}. Names the renderer
+# sets itself cannot be overridden; the whole is bounded like a schema.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+MAX_TEMPLATE_KWARGS = 32
+
+
+def parse_template_kwargs(value: object, _: cattrs.Converter) -> dict | None:
+    """chat_template_kwargs: a JSON object of template variables, or null."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Invalid(f"expected a JSON object of template variables, got {got(value)}")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise Invalid(f"at most {MAX_TEMPLATE_KWARGS} template variables, got {len(value)}")
+    for name in value:
+        if not name.isidentifier():
+            raise Invalid(f"{name!r} is not a template variable name (letters, digits and _, not starting with a digit)")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise Invalid(f"{name!r} is set by the server and cannot be given", at=name)
+    schema_size(value)
+    return value
+

@@ -36,7 +36,7 @@ from cattrs.errors import BaseValidationError
 
 from trioserve.errors import RequestError
 from trioserve.http.chat_parts import CalledFunction, ChatMessage, ContentPart, FunctionDef, MessageToolCall, Tool, ToolChoice, parse_tool_choice, tool_count, tools_offered
-from trioserve.http.constraints import MAX_CONSTRAINT_CHARS, ResponseFormat, constraint_text, given_constraints, parse_choices, parse_json_object, parse_response_format, schema_size
+from trioserve.http.constraints import MAX_CONSTRAINT_CHARS, ResponseFormat, constraint_text, given_constraints, parse_choices, parse_json_object, parse_response_format, parse_template_kwargs, schema_size
 from trioserve.http.structuring import Check, Invalid, Nested, field, got, is_int, num, raise_request_error, short, strict_converter
 from trioserve.types import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, RANGES, Range
 
@@ -238,6 +238,7 @@ class ChatCompletionRequest:
     guided_regex: str | None = field(None, check=constraint_text)
     guided_grammar: str | None = field(None, check=constraint_text)
     guided_choice: tuple[str, ...] | None = field(None, parse=parse_choices)
+    chat_template_kwargs: dict | None = field(None, parse=parse_template_kwargs)  # vLLM's: template variables (enable_thinking)
 
 
 @attrs.frozen

@@ -25,6 +25,7 @@ from trioserve.http.chat_parts import CalledFunction, ChatMessage, ContentPart, 
 from trioserve.http.edge import ServerState, read_body
 from trioserve.http.errors import error_response, json_response
 from trioserve.http.structuring import Invalid, field, strict_converter, structure_body
+from trioserve.http.constraints import parse_template_kwargs
 from trioserve.http.tools import message_dict, off_loop, render_prompt_ids
 
 # The root paths these routes serve, which the API key guards as it guards /v1.
@@ -46,6 +47,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as chat does
     tools: tuple[Tool, ...] | None = None
     return_token_strs: bool = False
+    chat_template_kwargs: dict | None = field(None, parse=parse_template_kwargs)  # messages: as chat completions take them
 
 
 @attrs.frozen
@@ -65,6 +67,8 @@ def parse_tokenize_request(body: object) -> TokenizeRequest:
         raise RequestError("send either prompt (text) or messages (a chat), not both and not neither", field="prompt")
     if req.messages is None and req.tools is not None:
         raise RequestError("tools go with messages", field="tools")
+    if req.messages is None and req.chat_template_kwargs is not None:
+        raise RequestError("chat_template_kwargs go with messages", field="chat_template_kwargs")
     if req.messages is None and not req.add_generation_prompt:
         raise RequestError("add_generation_prompt goes with messages", field="add_generation_prompt")
     if req.messages is not None and not req.add_generation_prompt:
@@ -86,7 +90,7 @@ def _token_ids(state: ServerState, model, req: TokenizeRequest) -> list[int]:
     would make of the request. Blocking: run in a thread."""
     tokenizer = model.engine.tokenizer
     if req.messages is not None:
-        return render_prompt_ids(tokenizer, model.template, map(message_dict, req.messages), req.tools)
+        return render_prompt_ids(tokenizer, model.template, map(message_dict, req.messages), req.tools, None, req.chat_template_kwargs)
     add_bos = None if req.add_special_tokens in (None, True) else False
     return tokenizer.encode(req.prompt, add_bos=add_bos, special=state.settings.allow_special_in_prompt)
 

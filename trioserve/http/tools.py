@@ -281,18 +281,22 @@ def render_prompt(
     choice: ToolChoice | None = None,
     *,
     hide: Callable[[Any], Any] = _unchanged,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt text for a chat: ``messages`` as `message_dict` makes them.
     ``hide`` (a `SpecialTextShield`'s) is applied to every value the request
-    brought, and to nothing the server adds."""
+    brought, and to nothing the server adds. ``variables``: the request's
+    chat_template_kwargs (Qwen3's enable_thinking), template variables."""
     messages = [hide(dict(m)) for m in messages]
+    extra = {name: hide(value) for name, value in (variables or {}).items()}
     offered = [hide(tool_json(t)) for t in tools] if tools_offered(tools, choice) else None
     if template_knows_tools(template):
         # Tool-aware templates (Qwen, Llama 3.1, Hermes) serialize arguments
         # themselves: they get the object, not its JSON text.
         shown = [_with_argument_values(m, hide) for m in messages]
-        return template.render(shown, add_generation_prompt=True, tools=[{"type": "function", "function": t} for t in offered] if offered else None)
-    return template.render(_fallback(messages, offered, choice, hide), add_generation_prompt=True)
+        tools_shown = [{"type": "function", "function": t} for t in offered] if offered else None
+        return template.render(shown, add_generation_prompt=True, tools=tools_shown, **extra)
+    return template.render(_fallback(messages, offered, choice, hide), add_generation_prompt=True, **extra)
 
 
 def render_prompt_ids(
@@ -301,6 +305,7 @@ def render_prompt_ids(
     messages: Iterable[Mapping[str, Any]],
     tools: Sequence[Tool] | None = None,
     choice: ToolChoice | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids for a chat (see `render_prompt`): special
     tokens come only from the template and the server's own text; what the
@@ -309,5 +314,5 @@ def render_prompt_ids(
     text. Blocking and thread-safe: the routes run it through `off_loop`
     (``messages`` may be a lazy iterable, consumed there)."""
     shield = SpecialTextShield(tokenizer.special_tokens)
-    text = render_prompt(template, messages, tools, choice, hide=shield.hide)
+    text = render_prompt(template, messages, tools, choice, hide=shield.hide, variables=variables)
     return tokenizer.encode_rendered(text, shield.literals)
