@@ -3048,12 +3048,15 @@ int trioserve_w16_matmul(const uint16_t *packed, const void *x, void *out, int64
 
 /* ---- A step's decoder layers in one call (kernels/layer_runner.py `LayerRunner`) ----
  *
- * models/llama.py `_residual` calls the kernels above one at a time, about
+ * models/decoder.py `_residual` calls the kernels above one at a time, about
  * nine a layer; each call costs a few microseconds of Python and ctypes,
  * ~1.6 ms a step for a 30-layer model (a sixth of a one-sequence decode step
  * on two cores). This runs the same kernels, in the same order, on buffers
  * of the same dtypes, so every bit is the same (tests/kernels/
- * test_layer_runner.py): the loop over layers has only moved into C.
+ * test_layer_runner.py, test_layer_runner_families.py): the loop over
+ * layers has only moved into C. Each layer says what it has beyond a Llama
+ * layer (`TsLayer`): q/k norm (Qwen3), its RoPE tables, a sliding window,
+ * sandwich norms and GeGLU (Gemma 3).
  *
  * Activations between kernels are the weights' dtype (bf16, else fp32), the
  * residual stream h [rows, hidden] fp32, updated in place: after the call it
