@@ -194,11 +194,6 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trioserve's gemma3 GGUF settings (models/gemma3.py _gguf_settings) fix the local RoPE base at 10000 "
-    "and do not read gemma3.rope.freq_base_swa, which llama.cpp's converter writes and llama.cpp reads",
-)
 def test_gemma3_local_rope_base_comes_from_the_file(tmp_path):
     """A Gemma 3 whose sliding-window layers use another RoPE base than
     10,000: the converter writes it as gemma3.rope.freq_base_swa, and the

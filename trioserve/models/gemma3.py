@@ -7,8 +7,9 @@ stores w, and the loader adds the 1); a GeGLU MLP (gelu, tanh approximation);
 the embedding scaled by sqrt(hidden); q.k scaled by query_pre_attn_scalar^-1/2.
 
 In GGUF files llama.cpp fixes what the metadata does not say: the pattern of
-six, the local base, and the query scale (1/sqrt(head_dim), but
-1/sqrt(hidden / heads) for the 62-layer 27B)."""
+six, the local base where `rope.freq_base_swa` is absent (10,000), and the
+query scale (1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer
+27B)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _gguf_settings(read) -> dict:
     width = hidden // max(1, heads) if read.whole(p + "block_count") == 62 else head_dim
     return {
         "sliding_window": read.whole(p + "attention.sliding_window"),
-        "rope_local_theta": LOCAL_BASE,
+        "rope_local_theta": read.number(p + "rope.freq_base_swa", LOCAL_BASE),  # llama.cpp's converter writes it; 10,000 where absent
         "query_scale": 1.0 / math.sqrt(max(1, width)),
         "embed_scale": math.sqrt(hidden),
     }
