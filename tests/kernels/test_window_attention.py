@@ -174,3 +174,19 @@ def test_window_mask_keeps_the_last_keys_of_each_row():
     mask = torch.tensor([[[True, False, False, False], [True, True, False, False], [True, True, True, True], [False] * 4]])
     cut = reference.window_mask(mask, 2)
     assert cut.tolist() == [[[True, False, False, False], [True, True, False, False], [False, False, True, True], [False] * 4]]
+
+
+def test_the_triton_set_takes_the_window_through_the_torch_twin():
+    """The Triton attention kernel has no window: a windowed group goes to
+    the torch twin under the windowed mask (with the gather buffers)."""
+    pytest.importorskip("triton")
+    from trioserve.kernels.ops import TritonKernels
+
+    step, k, v, q = _pool_and_step(torch.float32, torch.float32)
+    size = max(g.block_tables.numel() for g in step.groups) * k.shape[0] * BLOCK * k.shape[-1]
+    gather = (torch.empty(size), torch.empty(size))
+    triton_set, torch_set = TritonKernels(), Kernels()
+    assert not triton_set.windows_in_place
+    for g in step.groups:
+        rows = q[g.first : g.first + g.count]
+        assert torch.equal(triton_set.attention(rows, k, v, g, 0.2, gather, window=3), torch_set.attention(rows, k, v, g, 0.2, gather, window=3))
