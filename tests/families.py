@@ -218,3 +218,36 @@ def build_bert(root: Path, *, pooling: str | None = "cls", seed: int = 0) -> dic
         flags = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
         (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, flags[pooling]: True}))
     return {"model": model, "tokenizer": tokenizer, "hf": directory}
+
+
+def build_cross_encoder(root: Path, kind: str = "bert", *, seed: int = 0) -> dict:
+    """A random one-output sequence classifier (a cross-encoder reranker) of
+    ``kind`` ("bert": BertForSequenceClassification, as ms-marco MiniLM;
+    "xlm-roberta": XLMRobertaForSequenceClassification, as bge-reranker),
+    saved as an HF directory with the tiny WordPiece tokenizer."""
+    import json
+
+    import transformers
+
+    tokenizer = train_wordpiece()
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=1)
+    if kind == "bert":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(max_position_embeddings=128, **shape))
+    else:
+        config = transformers.XLMRobertaConfig(max_position_embeddings=130, type_vocab_size=1, pad_token_id=0, **shape)
+        model = transformers.XLMRobertaForSequenceClassification(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+            else:
+                p.normal_(0.0, 0.08)
+    model.eval()
+    directory = root / f"{kind}-cross-encoder"
+    model.save_pretrained(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast", "cls_token": "[CLS]", "sep_token": "[SEP]"}))
+    return {"model": model, "tokenizer": tokenizer, "hf": directory}

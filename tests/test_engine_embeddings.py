@@ -148,7 +148,7 @@ async def test_impossible_and_malformed_embeddings_are_refused_by_name(ckpt):
                 await engine.embed([5] * 65)
             assert long.value.field == big.value.field == "prompt"
             for request, field, message in [
-                (GenerateRequest([5, 6], pooling="max"), "pooling", "pooling must be one of last, mean, first, got 'max'"),
+                (GenerateRequest([5, 6], pooling="max"), "pooling", "pooling must be one of last, mean, first, score, got 'max'"),
                 # A decoder's prompt may run in chunks: its first token's state is no [CLS] pooling.
                 (GenerateRequest([5, 6], pooling="first"), "pooling", r"pooling 'first' needs each prompt whole in one step \(an encoder's engine\)"),
                 (GenerateRequest([5, 6], pooling="mean", retain="sess"), "pooling", "takes no retain owner"),

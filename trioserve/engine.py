@@ -112,24 +112,36 @@ class Engine:
         does the same without awaiting anything, for callers that cannot
         (a response body that never started)."""
         if request.pooling is None and self.is_encoder:
-            raise RequestError(
-                f"model: this model is an encoder ({self.model_config.architecture}): it serves embeddings "
-                "(/v1/embeddings, and /v1/rerank and /v1/score by their cosine), not generation",
-                field="model",
-            )
+            raise RequestError(f"model: {self.encoder_routes()}, not generation", field="model")
         return Generation(self, request)
+
+    def encoder_routes(self) -> str:
+        """What an encoder serves, in words, for the 400s of what it does not."""
+        if self.is_cross_encoder:
+            return f"this model is a cross-encoder ({self.model_config.architecture}): it scores pairs (/v1/rerank and /v1/score)"
+        return (
+            f"this model is an encoder ({self.model_config.architecture}): it serves embeddings "
+            "(/v1/embeddings, and /v1/rerank and /v1/score by their cosine)"
+        )
 
     @property
     def embedding_pooling(self) -> str:
         """How `embed` pools: --embedding-pooling, where `auto` is what the
         model file declares (mean or last), else mean."""
         chosen = self.config.embedding_pooling
+        if self.is_cross_encoder:  # its head's relevance output on the first token, as a value
+            return "score"
         if chosen != "auto":
             return chosen
         declared = self.model_config.pooling if self.model_config is not None else None
         if declared == "cls" and self.is_encoder:  # the first token's state ([CLS]); an encoder's input runs whole
             return "first"
         return declared if declared in ("mean", "last") else "mean"
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """An encoder with a relevance head (bge-reranker, ms-marco MiniLM): it scores pairs alone."""
+        return self.is_encoder and self.model_config.num_labels > 0
 
     @property
     def is_encoder(self) -> bool:

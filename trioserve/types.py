@@ -27,8 +27,9 @@ MAX_STOP_BYTES = 2048  # UTF-8 bytes in all of a request's stop strings
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 # How an embedding request pools its prompt's final hidden states
 # (GenerateRequest.pooling): the last token's, or the mean over all of them;
-# or the first token's ([CLS]), for an encoder, whose input runs whole in one step.
-POOLING_MODES = ("last", "mean", "first")
+# or the first token's ([CLS]), for an encoder, whose input runs whole in one step;
+# or "score": a cross-encoder's classification head on its first token, as values, not scaled.
+POOLING_MODES = ("last", "mean", "first", "score")
 
 
 @attrs.frozen

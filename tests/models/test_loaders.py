@@ -363,7 +363,7 @@ def hf_gpt2_model_type(tmp, ck, mp):
     d = _copy(ck["hf"], tmp / "hf")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    return d, d / "config.json", "unsupported model_type 'gpt2' (supported: bert, gemma3_text, llama, mistral, phi3, qwen2, qwen3)"
+    return d, d / "config.json", "unsupported model_type 'gpt2' (supported: bert, gemma3_text, llama, mistral, phi3, qwen2, qwen3, roberta, xlm-roberta)"
 
 
 def hf_garbage_shard(tmp, ck, mp):

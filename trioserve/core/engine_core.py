@@ -36,7 +36,7 @@ import attrs
 from trioserve.errors import EngineDead, RequestError, TrioserveError
 from trioserve.models.detokenizer import IncrementalDetokenizer
 from trioserve.models.tokenizer import Tokenizer
-from trioserve.state.pooling import add_sums, embedding
+from trioserve.state.pooling import add_sums, embedding, raw_vector
 from trioserve.state.kv_pool import BlockPool
 from trioserve.state.prefix_cache import PrefixCache
 from trioserve.state.scheduling import PlannedRow, SchedulingPolicy
@@ -306,8 +306,8 @@ class EngineCore:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         check_request(request, self.vocab_size)
-        if request.pooling == "first" and not self.policy.whole_prompts:
-            raise RequestError("pooling 'first' needs each prompt whole in one step (an encoder's engine)", field="pooling")
+        if request.pooling in ("first", "score") and not self.policy.whole_prompts:
+            raise RequestError(f"pooling {request.pooling!r} needs each prompt whole in one step (an encoder's engine)", field="pooling")
         params = request.params
         if params.seed is None:
             raise RequestError("the seed must be resolved before a request reaches the engine core", field="seed")
@@ -357,7 +357,7 @@ class EngineCore:
             row.pool,
             seq.adapter,
             score,
-            pool_first=seq.pooling == "first",
+            pool_first=seq.pooling in ("first", "score"),
         )
 
     def _pool(self, rows: list[PlannedRow], pooling: list[PlannedRow], pooled) -> list[Event]:
@@ -373,7 +373,8 @@ class EngineCore:
         for row in rows:
             seq = row.seq
             if seq.pooling is not None and seq.num_cached >= len(seq.prompt_ids):
-                vector = embedding(seq.pool_sums or (), seq.pooled_rows)
+                pooled = raw_vector if seq.pooling == "score" else embedding
+                vector = pooled(seq.pool_sums or (), seq.pooled_rows)
                 self.policy.finish(seq, "stop")
                 events.append(self._final(seq, "stop", vector=vector))
         return events

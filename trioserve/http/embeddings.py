@@ -133,6 +133,8 @@ def prompt_ids(engine, inputs: Inputs, limit: int) -> list[list[int]]:
     spelling is not its id), token ids checked against the vocabulary; no
     input may be longer than ``limit`` tokens. Blocking: run in a thread."""
     vocab = engine.tokenizer.vocab_size
+    if engine.is_cross_encoder:
+        raise RequestError(f"model: {engine.encoder_routes()}, not embeddings", field="model")
     out = []
     for i, item in enumerate(inputs.items):
         field = inputs.field(i)

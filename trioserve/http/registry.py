@@ -94,6 +94,7 @@ MODEL_ROUTES = (
     "/v1/score",
 )  # fmt: skip
 ENCODER_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/score")
+CROSS_ENCODER_ROUTES = ("/v1/rerank", "/v1/score")
 
 
 class Model(Held):
@@ -199,7 +200,7 @@ class Model(Held):
             card["compute"] = engine.compute
             card["family"] = engine.model_config.architecture if engine.model_config is not None else None
             # What the model serves: an encoder gives embeddings alone (models/bert.py).
-            card["routes"] = list(ENCODER_ROUTES if engine.is_encoder else MODEL_ROUTES)
+            card["routes"] = list(CROSS_ENCODER_ROUTES if engine.is_cross_encoder else ENCODER_ROUTES if engine.is_encoder else MODEL_ROUTES)
         return card
 
 

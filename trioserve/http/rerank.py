@@ -344,17 +344,52 @@ async def _yes_no_scores(state: ServerState, engine, model: Model, pairs: Pairs)
 
 
 def rerank_method(chosen: str, engine) -> str:
-    """--rerank-method for ``engine``'s model: `auto` is yes-no for a file
-    that says it is a reranker (Engine.is_reranker), else embedding."""
+    """--rerank-method for ``engine``'s model: a cross-encoder scores with
+    its relevance head whatever was chosen (it can do nothing else); `auto`
+    is yes-no for a file that says it is a reranker (Engine.is_reranker),
+    else embedding."""
+    if engine.is_cross_encoder:
+        return "classifier"
     if chosen != "auto":
         return chosen
     return "yes-no" if engine.is_reranker else "embedding"
 
 
+def _pair_ids(engine, pairs: Pairs) -> list[list[int]]:
+    """Each pair as its cross-encoder's tokenizer joins two texts, none
+    longer than one input may be. Blocking: run in a thread."""
+    limit = input_limit(engine)
+    out = []
+    for i in range(len(pairs)):
+        ids = engine.tokenizer.encode_pair(pairs.left.items[pairs.left_index(i)], pairs.right.items[i])
+        if len(ids) > limit:
+            name = pairs.right.field(i)
+            raise RequestTooLarge(f"{name}: this document and its query make {len(ids)} tokens, more than the {limit} this server scores at once", field=name)
+        out.append(ids)
+    return out
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+async def _classifier_scores(state: ServerState, engine, pairs: Pairs) -> tuple[list[float], int]:
+    """A cross-encoder's scores: each pair through the model at once, its
+    relevance output on the first token, as a probability (the sigmoid of
+    the one logit, as sentence-transformers' CrossEncoder and vLLM give it)."""
+    prompts = await off_loop(_pair_ids, engine, pairs)
+    check_request_tokens(state, pairs.right.name, prompts)
+    finals = await embed_all(engine, prompts, engine_window(engine), None)
+    return [_sigmoid(final.embedding[0]) for final in finals], sum(final.usage.prompt_tokens for final in finals)
+
+
 async def score_pairs(state: ServerState, model: Model, pairs: Pairs) -> tuple[list[float], int]:
     """Each pair's score, in order, and the prompt tokens it took, by the
     server's --rerank-method."""
-    if rerank_method(state.settings.rerank_method, model.engine) == "yes-no":
+    method = rerank_method(state.settings.rerank_method, model.engine)
+    if method == "classifier":
+        return await _classifier_scores(state, model.engine, pairs)
+    if method == "yes-no":
         return await _yes_no_scores(state, model.engine, model, pairs)
     return await _embedding_scores(state, model.engine, pairs, model.adapter_key)
 

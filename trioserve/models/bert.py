@@ -46,9 +46,23 @@ _HF_LAYER = {
 _HF_LAYER_NAME = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)")
 
 
+# A sequence-classification head (a cross-encoder): BERT's pooler then classifier,
+# RoBERTa's classifier.dense then classifier.out_proj; the same two steps.
+_HF_HEAD = {
+    "pooler.dense.weight": "model.pooler.weight", "pooler.dense.bias": "model.pooler.bias",
+    "classifier.dense.weight": "model.pooler.weight", "classifier.dense.bias": "model.pooler.bias",
+    "classifier.weight": "model.classifier.weight", "classifier.bias": "model.classifier.bias",
+    "classifier.out_proj.weight": "model.classifier.weight", "classifier.out_proj.bias": "model.classifier.bias",
+}  # fmt: skip
+
+
 def _hf_names(name: str) -> str | None:
-    """BertModel's tensor name -> ours; None for the pooler and task heads."""
-    name = name.removeprefix("bert.")
+    """BertModel's (or a RoBERTa's, or a sequence classifier's) tensor name
+    -> ours; None for what is not used (an embedding model's pooler, masked
+    LM heads)."""
+    name = name.removeprefix("bert.").removeprefix("roberta.")
+    if name in _HF_HEAD:
+        return _HF_HEAD[name]
     if name in _HF_TOP:
         return _HF_TOP[name]
     m = _HF_LAYER_NAME.fullmatch(name)
@@ -61,10 +75,13 @@ def _shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, f = c.hidden_size, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, h),
-        "model.position_embeddings.weight": (c.max_position, h),
+        "model.position_embeddings.weight": (c.max_position + c.position_offset, h),
         "model.embeddings_norm.weight": (h,),
         "model.embeddings_norm.bias": (h,),
     }
+    if c.num_labels:
+        shapes.update({"model.pooler.weight": (h, h), "model.pooler.bias": (h,)})
+        shapes.update({"model.classifier.weight": (c.num_labels, h), "model.classifier.bias": (c.num_labels,)})
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         for x in "qkvo":
@@ -92,7 +109,26 @@ def _hf_settings(read) -> dict:
     act = read.raw("hidden_act")
     if act not in (None, "gelu"):
         raise BadSetting("hidden_act", f"is {act!r}: this family runs gelu (erf)")
-    return {"rms_eps": read.number("layer_norm_eps", 1e-12), "attention_bias": True, "tie_embeddings": False}
+    out = {"rms_eps": read.number("layer_norm_eps", 1e-12), "attention_bias": True, "tie_embeddings": False}
+    architectures = read.raw("architectures") or []
+    if isinstance(architectures, list) and any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        labels = read.raw("id2label")
+        count = len(labels) if isinstance(labels, dict) else read.whole("num_labels", 2)
+        if count != 1:
+            raise BadSetting("id2label", f"has {count} labels: a cross-encoder with one relevance output is served, not a {count}-way classifier")
+        out["num_labels"] = 1
+    return out
+
+
+def _roberta_settings(read) -> dict:
+    """XLM-RoBERTa (bge-reranker, multilingual e5): BERT's layers; position
+    ids start after the padding id (pad_token_id + 1), so the context is
+    that much shorter than the position table."""
+    out = _hf_settings(read)
+    offset = read.whole("pad_token_id", 1) + 1
+    out["position_offset"] = offset
+    out["max_position"] = read.whole("max_position_embeddings") - offset
+    return out
 
 
 BERT = register(
@@ -123,6 +159,11 @@ BERT = register(
         all_shapes=_shapes,
         attention_bias=True,
     )
+)
+
+
+XLM_ROBERTA = register(
+    attrs.evolve(BERT, name="xlm-roberta", gguf_architectures=(), hf_model_types=("xlm-roberta", "roberta"), hf_settings=_roberta_settings)
 )
 
 
@@ -194,6 +235,14 @@ class EncoderModel:
         # Every input is one segment: token type 0's row (where the file has the table).
         self.type_row = w("model.token_type_embeddings.weight")[0] if "model.token_type_embeddings.weight" in weights else None
         self.embed_norm = (w("model.embeddings_norm.weight"), w("model.embeddings_norm.bias"))
+        # A cross-encoder's head: dense + tanh on the first token, then its relevance output.
+        self.head = None
+        if config.num_labels:
+            self.head = (w("model.pooler.weight"), w("model.pooler.bias"), w("model.classifier.weight"), w("model.classifier.bias"))
+        # The second segment's row ([SEP] ... after a pair's first [SEP]), where the table has one.
+        table = weights.get("model.token_type_embeddings.weight")
+        self.second_type = w("model.token_type_embeddings.weight")[1] if table is not None and table.shape[0] > 1 else None
+        self.sep_id: int | None = None  # set by the engine from the tokenizer (pairs are told apart by it)
         self.blocks = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -234,7 +283,9 @@ class EncoderModel:
     @torch.inference_mode()
     def forward_hidden(self, batch: StepBatch, cache, logit_rows: torch.Tensor, hidden_rows: torch.Tensor) -> tuple[None, torch.Tensor]:
         """No logits (``logit_rows`` must be empty), and the final hidden
-        states of the packed tokens ``hidden_rows`` ([P, hidden] fp32)."""
+        states of the packed tokens ``hidden_rows`` ([P, hidden] fp32); a
+        cross-encoder's head outputs of them instead ([P, num_labels]: its
+        rows are each input's first token, pooling "score")."""
         if logit_rows.numel():
             raise ValueError("an encoder has no output head: it gives embeddings, not logits")
         out = torch.empty((batch.positions.shape[0], self.config.hidden_size), dtype=torch.float32, device=self.device)
@@ -245,7 +296,11 @@ class EncoderModel:
                 raise ValueError("an encoder's input must come whole in one step (its chunk started at a later position)")
             out[at : at + n] = self._sequence(batch.token_ids[at : at + n], batch.positions[at : at + n])
             at += n
-        return None, out.index_select(0, hidden_rows)
+        picked = out.index_select(0, hidden_rows)
+        if self.head is None:
+            return None, picked
+        pool_w, pool_b, cls_w, cls_b = self.head
+        return None, F.linear(torch.tanh(F.linear(picked, pool_w, pool_b)), cls_w, cls_b)
 
     def _sequence(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One whole input's final hidden states [n, hidden]: computed from
@@ -253,9 +308,14 @@ class EncoderModel:
         c = self.config
         heads, dim = c.num_heads, c.head_dim
         eps = c.rms_eps
-        x = self.embed[ids] + self.positions[positions]
+        x = self.embed[ids] + self.positions[positions + c.position_offset]
         if self.type_row is not None:
             x = x + self.type_row
+        if self.second_type is not None and self.sep_id is not None:
+            # A pair ([CLS] a [SEP] b [SEP]): the tokens after the first [SEP] are the second segment.
+            seps = (ids == self.sep_id).long().cumsum(0)
+            after = (seps - (ids == self.sep_id).long()) > 0
+            x = x + after[:, None].float() * (self.second_type - self.type_row)
         x = F.layer_norm(x, (c.hidden_size,), *self.embed_norm, eps)
         n = ids.shape[0]
         for b in self.blocks:

@@ -18,7 +18,9 @@ def build_model(checkpoint: Checkpoint, **options):
     if is_encoder(checkpoint):
         from trioserve.models.bert import EncoderModel  # noqa: PLC0415
 
-        return EncoderModel.from_checkpoint(checkpoint, device=options.get("device", "cpu"), batch_invariant=options.get("batch_invariant", False))
+        model = EncoderModel.from_checkpoint(checkpoint, device=options.get("device", "cpu"), batch_invariant=options.get("batch_invariant", False))
+        model.sep_id = checkpoint.tokenizer.eos_id  # a BERT tokenizer's [SEP] (its end token): where a pair's second text begins
+        return model
     from trioserve.models.decoder import DecoderModel  # noqa: PLC0415
 
     return DecoderModel.from_checkpoint(checkpoint, **options)

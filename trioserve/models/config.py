@@ -76,6 +76,10 @@ class ModelConfig:
     # or "rank" (a reranker: P("yes") at the last token), and its reranking prompt ({query}, {document}).
     pooling: str | None = None
     rerank_template: str | None = None
+    # An encoder's: a classification head's outputs (a cross-encoder reranker: 1), 0 for none;
+    # where its position ids start (RoBERTa's: 2, after the padding id).
+    num_labels: int = 0
+    position_offset: int = 0
 
     def __attrs_post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position"):

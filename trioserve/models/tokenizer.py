@@ -6,12 +6,15 @@ turning checkpoint metadata into one configured `tokenizers.Tokenizer`, the
 special-token bookkeeping (BOS, EOS, stop ids, which ids are control tokens)
 and the exact bytes behind every id, which the detokenizer streams from.
 
-Two kinds of GGUF vocabulary load: byte-level BPE (`tokenizer.ggml.model`
-"gpt2") and SentencePiece ("llama": Llama 2, Mistral, Gemma). The latter is
-split and merged by trioserve.models.spm, in Python, exactly as llama.cpp
-does (a rank-ordered `tokenizers` BPE differs where scores tie); a
-`tokenizers` twin of it is kept for its vocabulary and for the libraries
-that read one (llguidance).
+Three kinds of GGUF vocabulary load: byte-level BPE (`tokenizer.ggml.model`
+"gpt2"), SentencePiece ("llama": Llama 2, Mistral, Gemma) and WordPiece
+("bert": BERT encoders such as bge, e5, all-MiniLM). SentencePiece is split
+and merged by trioserve.models.spm, in Python, exactly as llama.cpp does (a
+rank-ordered `tokenizers` BPE differs where scores tie); WordPiece is
+normalized, split and matched by trioserve.models.wpm as llama.cpp's WPM
+tokenizer does it (which differs from Hugging Face's in places: see there).
+For both a `tokenizers` twin is kept for its vocabulary and for the
+libraries that read one (llguidance); a WordPiece twin also decodes.
 
 Special (control) tokens come only from text the server itself writes: a
 chat template's output is encoded with `encode_rendered`, where the pieces a
@@ -34,11 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from trioserve.errors import TokenizerError
 from trioserve.models.files import MAX_JSON, MAX_TEMPLATE, MAX_TOKENIZER_JSON, FileRefused, read_text
 from trioserve.models.spm import SPACE, SpmVocab
+from trioserve.models.wpm import WpmVocab
 
 # Token types in GGUF's tokenizer.ggml.token_type that are matched as whole ids.
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -137,14 +141,19 @@ class Tokenizer:
         chat_template: str | None = None,
         spm: SpmVocab | None = None,
         add_eos: bool = False,
+        wpm: WpmVocab | None = None,
+        end_id: int | None = None,
     ) -> None:
+        """`end_id`: the id `encode` appends where the checkpoint adds one at
+        the end (default `eos_id`; a WordPiece GGUF's [SEP])."""
         self._backend = backend
         self.byte_level = byte_level
-        # A SentencePiece vocabulary from GGUF encodes and decodes itself
+        # A SentencePiece or WordPiece vocabulary from GGUF encodes itself
         # (llama.cpp's way); `backend` is then its `tokenizers` twin.
         self._spm = spm
+        self._wpm = wpm
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        for name, tid in [("bos", bos_id), ("eos", eos_id), *(("stop", t) for t in extra_stop_ids)]:
+        for name, tid in [("bos", bos_id), ("eos", eos_id), ("end", end_id), *(("stop", t) for t in extra_stop_ids)]:
             if tid is not None and not (isinstance(tid, int) and 0 <= tid < self.vocab_size):
                 raise TokenizerError(f"{name} token id {tid} is outside the vocabulary of {self.vocab_size}")
         self.bos_id = bos_id
@@ -152,6 +161,7 @@ class Tokenizer:
         self.stop_ids: frozenset[int] = frozenset([eos_id, *extra_stop_ids])
         self.add_bos = bool(add_bos) and bos_id is not None
         self.add_eos = bool(add_eos)
+        self._end_id = eos_id if end_id is None else end_id
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self._special = frozenset(i for i, t in added.items() if t.special)
@@ -163,8 +173,8 @@ class Tokenizer:
         self._plain_backend: tokenizers.Tokenizer | None = None
         self._plain_lock = threading.Lock()
         self._twin_json: str | None = None
-        if spm is not None:
-            self._bytes = spm.token_bytes()
+        if spm is not None or wpm is not None:
+            self._bytes = spm.token_bytes() if spm is not None else wpm.token_bytes()
             if len(self._bytes) != self.vocab_size:
                 raise TokenizerError(f"{len(self._bytes)} pieces but a vocabulary of {self.vocab_size}")
         else:
@@ -197,14 +207,18 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """A tokenizer from GGUF `tokenizer.*` metadata: byte-level BPE
-        (`tokenizer.ggml.model` "gpt2") or SentencePiece ("llama"); raises
-        TokenizerError for other tokenizer models or missing/inconsistent keys."""
+        (`tokenizer.ggml.model` "gpt2"), SentencePiece ("llama") or WordPiece
+        ("bert"); raises TokenizerError for other tokenizer models or
+        missing/inconsistent keys."""
         kind = _require(meta, "tokenizer.ggml.model")
         if kind == "llama":
             return cls._from_gguf_spm(meta)
+        if kind == "bert":
+            return cls._from_gguf_wpm(meta)
         if kind != "gpt2":
             raise TokenizerError(
-                f"tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE, and 'llama', SentencePiece)"
+                f"tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE, 'llama', SentencePiece, "
+                "and 'bert', WordPiece)"
             )
         tokens = list(_require(meta, "tokenizer.ggml.tokens"))
         merges = list(_require(meta, "tokenizer.ggml.merges"))
@@ -294,6 +308,53 @@ class Tokenizer:
         )
 
     @classmethod
+    def _from_gguf_wpm(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """A WordPiece vocabulary (`tokenizer.ggml.model` "bert", llama.cpp's
+        WPM) with llama.cpp's defaults where a key is missing: [CLS] the BOS
+        id (101; a file's cls_token_id stands in where it has no
+        bos_token_id), [SEP] 102, [UNK] 100, a default outside the
+        vocabulary being none; lower-casing on, accent stripping as
+        lower-casing. As in llama.cpp, every input with special tokens is
+        [CLS] text [SEP], whatever add_bos_token / add_eos_token /
+        add_sep_token say (the converter writes them for BERT as true,
+        true, false)."""
+        tokens = list(_require(meta, "tokenizer.ggml.tokens"))
+        n = len(tokens)
+        types = meta.get("tokenizer.ggml.token_type")
+        types = None if types is None else list(types)
+
+        def special_id(name: str, keys: Sequence[str], default: int) -> int | None:
+            for key in keys:
+                if key in meta:
+                    tid = meta[key]
+                    if not (isinstance(tid, int) and 0 <= tid < n):
+                        raise TokenizerError(f"{name} token id {tid} ({key}) is outside the vocabulary of {n}")
+                    return tid
+            return default if default < n else None
+
+        cls_id = special_id("cls", ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.cls_token_id"), 101)
+        sep_id = special_id("sep", ("tokenizer.ggml.seperator_token_id",), 102)
+        unk_id = special_id("unknown", ("tokenizer.ggml.unknown_token_id",), 100)
+        if cls_id is None or sep_id is None:
+            missing = "tokenizer.ggml.bos_token_id" if cls_id is None else "tokenizer.ggml.seperator_token_id"
+            raise TokenizerError(f"tokenizer metadata lacks {missing!r} (a WordPiece input is [CLS] text [SEP])")
+        eos_id = special_id("eos", ("tokenizer.ggml.eos_token_id",), sep_id)
+        lowercase = bool(meta.get("tokenizer.ggml.normalizer.lowercase", True))
+        strip = meta.get("tokenizer.ggml.normalizer.strip_accents")
+        wpm = WpmVocab(tokens, types, lowercase=lowercase, strip_accents=None if strip is None else bool(strip), unk_id=unk_id)
+        return cls(
+            _wpm_backend(wpm, cls_id, sep_id),
+            byte_level=False,
+            bos_id=cls_id,
+            eos_id=eos_id,
+            add_bos=True,
+            add_eos=True,
+            end_id=sep_id,
+            chat_template=meta.get("tokenizer.chat_template"),
+            wpm=wpm,
+        )
+
+    @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
         """A tokenizer from a Hugging Face directory: tokenizer.json (required),
         tokenizer_config.json and generation_config.json (optional)."""
@@ -361,7 +422,7 @@ class Tokenizer:
         GGUF SentencePiece vocabulary, a BPE twin with merges from the scores
         (made on first use: about a second for a 256k vocabulary)."""
         if self._spm is None:
-            return self._backend.to_str()
+            return self._backend.to_str()  # a WordPiece GGUF's twin as it is
         with self._plain_lock:
             if self._twin_json is None:
                 self._twin_json = _spm_backend(self._spm, merges=True).to_str()
@@ -374,6 +435,8 @@ class Tokenizer:
         checkpoint's setting). Thread-safe."""
         if self._spm is not None:
             ids = self._spm.encode(text, parse_special=special)
+        elif self._wpm is not None:
+            ids = self._wpm.encode(text, parse_special=special)
         else:
             ids = _encode_with(self._backend if special else self._plain(), text)
         return self._with_bos(ids, add_bos)
@@ -422,17 +485,32 @@ class Tokenizer:
         if self._spm is not None:
             # Like llama.cpp, a run after a special token gets the space prefix.
             ids.extend(self._spm.encode(text, parse_special=False))
+        elif self._wpm is not None:
+            ids.extend(self._wpm.encode(text, parse_special=False))
         else:
             ids.extend(_encode_with(self._plain(), text))
 
     def encode_input(self, text: str) -> list[int]:
         """An encoder's input: `text` as text (special-token spellings are
         not their ids), wrapped as the tokenizer's own post-processor wraps
-        an input ([CLS] text [SEP] for a BERT tokenizer.json); where there
-        is none (GGUF files), as `encode` with the checkpoint's BOS/EOS."""
+        an input ([CLS] text [SEP] for a BERT tokenizer.json); for a
+        WordPiece GGUF [CLS] text [SEP] too, as llama.cpp wraps every input
+        to a BERT; for other GGUF files, as `encode` with the checkpoint's
+        BOS/EOS."""
+        if self._wpm is not None:
+            return self.encode(text, add_bos=True, special=False)
         if self.byte_level or self._spm is not None:
             return self.encode(text, special=False)
         return self._plain().encode(text, add_special_tokens=True).ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A cross-encoder's input: two texts as text, joined as the
+        tokenizer's own post-processor joins a pair ([CLS] a [SEP] b [SEP]
+        for BERT, <s> a </s></s> b </s> for RoBERTa). Hugging Face
+        tokenizers only (TokenizerError otherwise)."""
+        if self.byte_level or self._spm is not None:
+            raise TokenizerError("this tokenizer has no pair template: a cross-encoder needs its tokenizer.json")
+        return self._plain().encode(first, second, add_special_tokens=True).ids
 
     def _plain(self) -> tokenizers.Tokenizer:
         """A copy of the backend that reads special-token text as text
@@ -454,14 +532,17 @@ class Tokenizer:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if self.add_eos and add_bos is not False:
-            ids.append(self.eos_id)
+            ids.append(self._end_id)
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """The text of `ids`. Byte-level and GGUF SentencePiece: the tokens'
         bytes decoded as UTF-8 with invalid sequences as U+FFFD (exactly what
         the detokenizer streams); SentencePiece then without the one leading
-        space its prefix added, as llama.cpp and Hugging Face decode."""
+        space its prefix added, as llama.cpp and Hugging Face decode. A
+        WordPiece GGUF decodes as Hugging Face's WordPiece decoder does
+        (pieces that start a word after a space, continuations joined on,
+        the space before . , ! ? taken out)."""
         if not self.byte_level and self._spm is None:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special)
         skip = self._special if skip_special else frozenset()
@@ -505,6 +586,42 @@ def _spm_backend(spm: SpmVocab, *, merges: bool) -> tokenizers.Tokenizer:
         [AddedToken(tok, special=True, normalized=False) for tok, kind in special if kind in (_CONTROL, _UNKNOWN)]
     )
     backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, kind in special if kind == _USER_DEFINED])
+    return backend
+
+
+def _wpm_backend(wpm: WpmVocab, cls_id: int, sep_id: int) -> tokenizers.Tokenizer:
+    """The `tokenizers` twin of a WordPiece GGUF vocabulary: the vocabulary
+    back in Hugging Face's "##" form (WpmVocab.hf_tokens), BERT's
+    normalizer, pre-tokenizer, [CLS] $A [SEP] post-processor and WordPiece
+    decoder, control and unknown pieces as special added tokens. It decodes
+    for the Tokenizer; llama.cpp's encoding is WpmVocab's (the twin encodes
+    as Hugging Face does, which differs in places)."""
+    forms = wpm.hf_tokens()
+    unk = "[UNK]" if wpm.unk_id is None else forms[wpm.unk_id]
+    try:
+        model = models.WordPiece({form: i for i, form in enumerate(forms)}, unk_token=unk, max_input_chars_per_word=100)
+    except Exception as exc:  # the Rust side reports any inconsistency as a plain Exception
+        raise TokenizerError(f"cannot build WordPiece from the vocabulary: {exc}") from exc
+    backend = tokenizers.Tokenizer(model)
+    backend.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=wpm.strip_accents, lowercase=wpm.lowercase
+    )
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    cls_text, sep_text = forms[cls_id], forms[sep_id]
+    try:
+        backend.post_processor = processors.TemplateProcessing(
+            single=[cls_text, "$A", sep_text],
+            pair=[cls_text, "$A", sep_text, "$B:1", f"{sep_text}:1"],
+            special_tokens=[(cls_text, cls_id), (sep_text, sep_id)],
+        )
+    except Exception:  # pieces a template cannot spell ("$A"): the twin then wraps nothing
+        pass
+    kinds = list(zip(forms, wpm.types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(form, special=True, normalized=False) for form, kind in kinds if kind in (_CONTROL, _UNKNOWN)]
+    )
+    backend.add_tokens([AddedToken(form, special=False, normalized=False) for form, kind in kinds if kind == _USER_DEFINED])
     return backend
 
 

@@ -47,6 +47,16 @@ def embedding(sums: Sequence[int], count: int) -> tuple[float, ...]:
     return float32s(x / norm for x in mean)
 
 
+def raw_vector(sums: Sequence[int], count: int) -> tuple[float, ...]:
+    """The mean of ``count`` pooled rows whose fixed-point sums are ``sums``,
+    not scaled to length 1 (a classification head's outputs: a score is a
+    value, not a direction), each component rounded to float32."""
+    if count < 1:
+        raise ValueError(f"nothing was pooled (count {count})")
+    scale = count << FRACTION_BITS
+    return float32s(s / scale for s in sums)
+
+
 def float32s(values) -> tuple[float, ...]:
     """``values`` rounded to float32 (still Python floats)."""
     packed = list(values)

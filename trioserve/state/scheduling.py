@@ -104,7 +104,7 @@ class PlannedRow:
         all of them for "mean", the prompt's last one for "last"."""
         if self.seq.pooling == "mean":
             return len(self.tokens)
-        if self.seq.pooling in ("last", "first") and self.start + len(self.tokens) == len(self.seq.prompt_ids):
+        if self.seq.pooling in ("last", "first", "score") and self.start + len(self.tokens) == len(self.seq.prompt_ids):
             return 1  # "first": the prompt's first token (PlanRow.pool_first), its chunk the whole prompt
         return 0
 
