@@ -236,7 +236,7 @@ def test_a_llama_gguf_loads_with_its_special_pieces(tok, vocab):
     ("change", "message"),
     [
         ({"tokenizer.ggml.model": "t5"}, "tokenizer model 't5' is not supported"),
-        ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert' is not supported"),
+        ({"tokenizer.ggml.model": "rwkv"}, "tokenizer model 'rwkv' is not supported"),
         ({"tokenizer.ggml.tokens": None}, "lacks 'tokenizer.ggml.tokens'"),
         ({"tokenizer.ggml.scores": [0.0, 1.0]}, "2 token scores for"),
         ({"tokenizer.ggml.token_type": [1, 1, 1]}, "3 token types for"),
