@@ -56,9 +56,9 @@ async def test_a_load_over_the_budget_by_its_rope_tables_is_refused(nursery, tin
             assert [(m["name"], m["memory_bytes"]) for m in listed["data"]] == [(MODEL_NAME, first)]
 
             refused = await client.post("/admin/models/load", headers=ADMIN, json={"name": "long", "path": str(long_gguf)})
-            error = assert_error(refused, 400, fragment="", param="path", code="load_failed")
+            error = assert_error(refused, 400, fragment="", param="path", code="over_memory_budget")
             assert error["message"] == (
-                f"loading 'long' from {long_gguf} failed: loading 'long' needs {size + POOL + tables(LONG)} bytes "
+                f"loading 'long' needs {size + POOL + tables(LONG)} bytes "
                 f"(weights {size} + KV pool {POOL} + RoPE tables {tables(LONG)}: cos and sin for {LONG} positions x {FREQUENCIES} frequencies, float32); "
                 f"the served models take {first} of the {budget}-byte --memory-budget, leaving {budget - first}"
             )

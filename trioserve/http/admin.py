@@ -212,6 +212,8 @@ def add_admin_routes(app, state: ServerState) -> None:
             await registry.load(model)
         except Exception as exc:  # noqa: BLE001 - a missing, corrupt or unsupported file: the name is free again
             cause = sole_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            if isinstance(cause, HTTPError) and cause.code == "over_memory_budget":
+                return error_response(cause)  # the budget's refusal as reserve gives it, whether its RoPE tables or its file tipped it
             param = "path"
             if isinstance(cause, RequestError) and cause.field in LOAD_OPTIONS:  # an option that does not fit this model (a KV pool under one block)
                 param = f"options.{cause.field}"
