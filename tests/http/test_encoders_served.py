@@ -94,3 +94,19 @@ async def test_an_input_longer_than_a_step_is_refused(nursery, bert):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "input"
     assert "more than the 16 this server embeds in one input" in response.json()["error"]["message"]
+
+
+async def test_what_an_encoder_refuses_by_name_and_what_tokenize_counts(nursery, bert, tmp_path):
+    built, _ = bert
+    url = await start_server(nursery, make_settings(built["hf"]))
+    says = "this model is an encoder (bert): it serves embeddings (/v1/embeddings, and /v1/rerank and /v1/score by their cosine)"
+    with trio.fail_after(TIMEOUT):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            session = await client.post("/v1/sessions", json={})
+            assert_error(session, 400, param="model", fragment=f"{says}, not sessions")
+            adapter = await client.post("/v1/lora_adapters", json={"name": "a", "path": str(tmp_path)})
+            assert_error(adapter, 400, param="base_model", fragment=f"{says}; it takes no LoRA adapters")
+            counted = (await client.post("/tokenize", json={"prompt": TEXTS[1]})).json()
+            embedded = (await client.post("/v1/embeddings", json={"input": TEXTS[1]})).json()
+    assert counted["tokens"] == built["tokenizer"].encode(TEXTS[1]).ids  # [CLS] ... [SEP], as the embedding is made
+    assert counted["count"] == embedded["usage"]["prompt_tokens"]

@@ -481,6 +481,8 @@ class Registry:
         taken = self.models.get(name) or self.adapters.get(name)
         if taken is not None:
             raise HTTPError(409, f"the model name {name!r} is {_taken(taken)}", param="name", code="model_exists")
+        if base.engine.is_encoder:
+            raise RequestError(f"base_model: {base.engine.encoder_routes()}; it takes no LoRA adapters", field="base_model")
         slots = base.engine.adapters
         on_base = [a for a in self.adapters.values() if a.base is base]  # loading ones too: concurrent loads cannot all pass
         if owner is not None:

@@ -107,6 +107,8 @@ def add_session_routes(app, state: ServerState) -> SessionStore:
                 raise HTTPError(400, "the request body must be a JSON object")
             model = state.route(body.get("model"))
             engine = model.engine
+            if engine.is_encoder:  # its turns could only fail: refused where the session would begin
+                raise RequestError(f"model: {engine.encoder_routes()}, not sessions", field="model")
             system = body.get("system")
             if system is not None and not isinstance(system, str):
                 raise HTTPError(400, "system: expected a string", param="system")

@@ -91,6 +91,8 @@ def _token_ids(state: ServerState, model, req: TokenizeRequest) -> list[int]:
     tokenizer = model.engine.tokenizer
     if req.messages is not None:
         return render_prompt_ids(tokenizer, model.template, map(message_dict, req.messages), req.tools, None, req.chat_template_kwargs)
+    if model.engine.is_encoder and req.add_special_tokens is not False:  # as /v1/embeddings wraps an input ([CLS] ... [SEP])
+        return tokenizer.encode_input(req.prompt)
     add_bos = None if req.add_special_tokens in (None, True) else False
     return tokenizer.encode(req.prompt, add_bos=add_bos, special=state.settings.allow_special_in_prompt)
 
