@@ -171,7 +171,9 @@ def write_gguf(
     writer.add_rope_freq_base(shape["rope_theta"])
     writer.add_layer_norm_rms_eps(shape["rms_norm_eps"])
     writer.add_rope_dimension_count(shape["hidden_size"] // heads)
-    add_metadata(writer, gguf_tokenizer_metadata(tokenizer, chat_template=chat_template))
+    # ``tokenizer``: a `tokenizers` object, or the GGUF tokenizer keys themselves (a SentencePiece vocabulary's).
+    meta = tokenizer if isinstance(tokenizer, dict) else gguf_tokenizer_metadata(tokenizer, chat_template=chat_template)
+    add_metadata(writer, {**meta, **({"tokenizer.chat_template": chat_template} if chat_template is not None else {})})
     for name, array in weights.items():
         if name.endswith("q_proj.weight"):
             array = permute_rows(array, heads)  # heads of this shape
