@@ -183,6 +183,20 @@ def train_wordpiece():
     return tok
 
 
+def _randomize_encoder(model) -> None:
+    """An encoder's weights wide enough that its outputs tell inputs apart
+    (LayerNorm gains near 1, small biases); eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+            else:
+                p.normal_(0.0, 0.08)
+    model.eval()
+
+
 def build_bert(root: Path, *, pooling: str | None = "cls", seed: int = 0) -> dict:
     """A random BertModel (transformers) saved as an HF directory with its
     WordPiece tokenizer, and, where ``pooling`` is given, a
@@ -198,15 +212,7 @@ def build_bert(root: Path, *, pooling: str | None = "cls", seed: int = 0) -> dic
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.BertModel(config, add_pooling_layer=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.02)
-            else:
-                p.normal_(0.0, 0.08)
-    model.eval()
+    _randomize_encoder(model)
     directory = root / "bert-hf"
     model.save_pretrained(directory)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -237,15 +243,7 @@ def build_cross_encoder(root: Path, kind: str = "bert", *, seed: int = 0) -> dic
         config = transformers.XLMRobertaConfig(max_position_embeddings=130, type_vocab_size=1, pad_token_id=0, **shape)
         model = transformers.XLMRobertaForSequenceClassification(config)
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.02)
-            else:
-                p.normal_(0.0, 0.08)
-    model.eval()
+    _randomize_encoder(model)
     directory = root / f"{kind}-cross-encoder"
     model.save_pretrained(directory)
     tokenizer.save(str(directory / "tokenizer.json"))

@@ -49,10 +49,11 @@ pytestmark = pytest.mark.skipif(
 
 # Runs convert_hf_to_gguf.py as its own command line does (its own gguf-py
 # first on the path), except that a tokenizer whose pre-tokenizer hash it
-# does not know is taken to be SmolLM2's.
+# does not know is given a name (argv[2]): SmolLM2's for the tiny BPE
+# tokenizer; "default" for a WordPiece one (llama.cpp ignores it for bert).
 _CONVERT = """
 import runpy, sys
-src = sys.argv[1]
+src, unknown = sys.argv[1], sys.argv[2]
 sys.path[0:0] = [src, src + "/gguf-py"]
 from conversion import base
 recognised = base.TextModel.get_vocab_base_pre
@@ -60,17 +61,17 @@ def pre_tokenizer(self, tokenizer):
     try:
         return recognised(self, tokenizer)
     except NotImplementedError:
-        return "smollm"
+        return unknown
 base.TextModel.get_vocab_base_pre = pre_tokenizer
-sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(hf: Path, out: Path, outtype: str) -> Path:
+def convert(hf: Path, out: Path, outtype: str, *, unknown_pre: str = "smollm") -> Path:
     """``hf`` converted by llama.cpp's converter into ``out`` (f32 or q8_0)."""
     done = subprocess.run(
-        [sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(hf), "--outtype", outtype, "--outfile", str(out)],
+        [sys.executable, "-c", _CONVERT, str(LLAMA_CPP), unknown_pre, str(hf), "--outtype", outtype, "--outfile", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0 and out.is_file(), f"convert_hf_to_gguf.py failed on {hf}:\n{done.stderr[-3000:]}"

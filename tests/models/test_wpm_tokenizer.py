@@ -39,7 +39,6 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
 import unicodedata
 from pathlib import Path
@@ -69,34 +68,11 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 # -- files ---------------------------------------------------------------------------------------------------------
 
-# Runs convert_hf_to_gguf.py as its own command line does (its own gguf-py
-# first on the path), except that a pre-tokenizer hash it does not know is
-# named "default" (llama.cpp ignores the name for a WordPiece vocabulary).
-_CONVERT = """
-import runpy, sys
-src = sys.argv[1]
-sys.path[0:0] = [src, src + "/gguf-py"]
-from conversion import base
-known = base.TextModel.get_vocab_base_pre
-def pre_tokenizer(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        return "default"
-base.TextModel.get_vocab_base_pre = pre_tokenizer
-sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def convert_bert(hf: Path, out: Path, outtype: str = "f32") -> Path:
-    """``hf`` through llama.cpp's converter into ``out``."""
-    done = subprocess.run(
-        [sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(hf), "--outtype", outtype, "--outfile", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0 and out.is_file(), f"convert_hf_to_gguf.py failed on {hf}:\n{done.stderr[-3000:]}"
-    return out
+    """``hf`` through llama.cpp's converter into ``out`` (an unknown
+    pre-tokenizer hash named "default": llama.cpp ignores the name for a
+    WordPiece vocabulary)."""
+    return converter_tests.convert(hf, out, outtype, unknown_pre="default")
 
 
 def name_special_tokens(hf: Path, *, lowercase: bool = True) -> None:

@@ -51,6 +51,35 @@ def byte_piece(b: int) -> str:
     return f"<0x{b:02X}>"
 
 
+def partition_specials(text: str, specials, heads: frozenset[str] | set[str], parse_special: bool) -> list[str | int]:
+    """`text` as fragments of text and ids of special pieces: each piece of
+    ``specials`` ((piece, id, always), longest first; ``always``: cut even
+    when special text is not parsed) cut out of the text fragments left at
+    its turn, left to right without overlaps (llama.cpp's
+    tokenizer_st_partition). ``heads``: the pieces' first characters."""
+    parts: list[str | int] = [text] if text else []
+    if not specials or not text:
+        return parts
+    present = heads.intersection(text)
+    if not present:
+        return parts
+    for piece, tid, always in specials:
+        if not (always or parse_special) or piece[0] not in present or piece not in text:
+            continue
+        cut: list[str | int] = []
+        for part in parts:
+            if isinstance(part, int) or piece not in part:
+                cut.append(part)
+                continue
+            for k, rest in enumerate(part.split(piece)):
+                if k:
+                    cut.append(tid)
+                if rest:
+                    cut.append(rest)
+        parts = cut
+    return parts
+
+
 class SpmVocab:
     """One SentencePiece vocabulary: encoding text to ids and each id's bytes.
     Read-only after construction (the word cache aside), so threads may share it."""
@@ -119,30 +148,7 @@ class SpmVocab:
         return out
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """`text` as fragments of text and ids of special pieces, each piece
-        (longest first) cut out of the text fragments left at its turn, left
-        to right without overlaps."""
-        parts: list[str | int] = [text] if text else []
-        if not self._specials or not text:
-            return parts
-        heads = self._special_heads.intersection(text)
-        if not heads:
-            return parts
-        for piece, tid, always in self._specials:
-            if not (always or parse_special) or piece[0] not in heads or piece not in text:
-                continue
-            cut: list[str | int] = []
-            for part in parts:
-                if isinstance(part, int) or piece not in part:
-                    cut.append(part)
-                    continue
-                for k, rest in enumerate(part.split(piece)):
-                    if k:
-                        cut.append(tid)
-                    if rest:
-                        cut.append(rest)
-            parts = cut
-        return parts
+        return partition_specials(text, self._specials, self._special_heads, parse_special)
 
     def _encode_fragment(self, text: str, out: list[int]) -> None:
         """Append the ids of one text fragment, spaces already written as "▁"."""

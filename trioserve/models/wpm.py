@@ -37,6 +37,7 @@ import unicodedata
 from collections.abc import Sequence
 
 from trioserve.errors import TokenizerError
+from trioserve.models.spm import partition_specials
 
 SPACE = "\u2581"
 
@@ -137,30 +138,7 @@ class WpmVocab:
         return [word for word in self._normalize(text).split(" ") if word]
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """`text` as text fragments and special pieces' ids: each piece, longest
-        first, is cut out of the text fragments left at its turn, left to
-        right without overlaps (llama.cpp's tokenizer_st_partition)."""
-        parts: list[str | int] = [text] if text else []
-        if not self._specials or not text:
-            return parts
-        heads = self._special_heads.intersection(text)
-        if not heads:
-            return parts
-        for piece, tid, always in self._specials:
-            if not (always or parse_special) or piece[0] not in heads or piece not in text:
-                continue
-            cut: list[str | int] = []
-            for part in parts:
-                if isinstance(part, int) or piece not in part:
-                    cut.append(part)
-                    continue
-                for k, rest in enumerate(part.split(piece)):
-                    if k:
-                        cut.append(tid)
-                    if rest:
-                        cut.append(rest)
-            parts = cut
-        return parts
+        return partition_specials(text, self._specials, self._special_heads, parse_special)
 
     def _encode_fragment(self, text: str, out: list[int]) -> None:
         cache = self._cache
