@@ -102,12 +102,14 @@ def gguf_tensor_name(family: str, name: str) -> str:
 
 
 def write_family_gguf(
-    path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32, extra: dict | None = None, tensors: dict | None = None
-) -> Path:
+    path: Path, family: str, model, tokenizer, *, qtype: Q = Q.F32, extra: dict | None = None, tensors: dict | None = None,
+    omit: frozenset[str] = frozenset(),
+) -> Path:  # fmt: skip
     """``model``'s weights as a GGUF of ``family``'s architecture (and the
     metadata ``extra``: ints as uint32, texts as strings), as
     llama.cpp's converter writes them (no Q/K interleave for these
-    families; Gemma's norms stored as 1 + w), matrices in ``qtype``."""
+    families; Gemma's norms stored as 1 + w), matrices in ``qtype``.
+    ``omit``: GGUF tensor names and "sliding_window" left out (a broken file)."""
     shape = SHAPES[family]
     c = model.config
     writer = gguf.GGUFWriter(str(path), family)
@@ -121,11 +123,11 @@ def write_family_gguf(
     writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(10000.0 if family == "phi3" else 1000000.0)
-    if family in ("gemma3", "phi3"):
+    if family in ("gemma3", "phi3") and "sliding_window" not in omit:
         writer.add_sliding_window(shape["sliding_window"])
     add_metadata(writer, {**gguf_tokenizer_metadata(tokenizer), **(extra or {})})
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
+        if (name == "lm_head.weight" and c.tie_word_embeddings) or gguf_tensor_name(family, name) in omit:
             continue
         array = tensor.detach().float().numpy().copy()
         if family == "gemma3" and name.endswith("norm.weight"):

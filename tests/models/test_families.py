@@ -127,3 +127,24 @@ def test_batch_invariant_family_rows_are_their_own(family):
     for (p1, a), (p2, b) in zip(seen_together[1], seen_alone[0]):
         assert p1 == p2
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "omit", "problem"),
+    [
+        ("qwen3", "blk.1.attn_q_norm.weight", "missing tensor 'blk.1.attn_q_norm.weight'"),
+        ("gemma3", "blk.0.post_ffw_norm.weight", "missing tensor 'blk.0.post_ffw_norm.weight'"),
+        ("gemma3", "sliding_window", "GGUF metadata lacks required key 'gemma3.attention.sliding_window'"),
+        ("phi3", "blk.0.attn_qkv.weight", "missing tensor 'blk.0.attn_qkv.weight'"),
+    ],
+)
+def test_a_file_missing_what_its_family_needs_is_one_line(tmp_path, name, omit, problem):
+    from tests.families import hf_model, write_family_gguf
+    from tests.tiny_tokenizer import train_tiny_tokenizer
+    from trioserve.errors import CheckpointError
+
+    tok = train_tiny_tokenizer()
+    path = write_family_gguf(tmp_path / "broken.gguf", name, hf_model(name, tok.get_vocab_size(), tie=True), tok, omit=frozenset({omit}))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert info.value.problem == problem

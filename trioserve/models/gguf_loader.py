@@ -86,6 +86,17 @@ def gguf_name(name: str, family: Family | None = None) -> str:
     return name
 
 
+def _spelled(name: str, *, family: Family | None, config: ModelConfig) -> str:
+    """A tensor's GGUF name for a message: a part of a matrix the file holds
+    fused (Phi-3's q of attn_qkv) is named by the fused one."""
+    if family is not None:
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name)
+        for fused, parts in family.split_layer_tensors(config).items():
+            if m and any(part == m.group(2) for part, _ in parts):
+                return gguf_name(m.group(1) + fused, family)
+    return gguf_name(name, family)
+
+
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head interleave of Q/K rows: GGUF stores each head's
     rows as pairs (2i, 2i+1) for interleaved RoPE; we use rotate-half."""
@@ -116,7 +127,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
     tensors = split_fused(path, config, tensors, lambda t: int(t.shape[-1]), _row_slice, spelled=functools.partial(gguf_name, family=family))
     check_layers(path, config, tensors, key=f"{config.architecture}.block_count")
     shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
-    check_complete(path, config, shapes, spelled=functools.partial(gguf_name, family=family))
+    check_complete(path, config, shapes, spelled=functools.partial(_spelled, family=family, config=config))
     _check_rope_freqs_shape(path, config, shapes.get("rope_freqs"))
     tokenizer = _tokenizer(meta, path)
     check_vocabulary(path, config, tokenizer, tokens="tokenizer.ggml.tokens", rows="token_embd.weight")
