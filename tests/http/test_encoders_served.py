@@ -8,6 +8,7 @@ model; /v1/rerank scores by the cosine of those vectors."""
 
 from __future__ import annotations
 
+import attrs
 import httpx
 import numpy as np
 import pytest
@@ -110,3 +111,14 @@ async def test_what_an_encoder_refuses_by_name_and_what_tokenize_counts(nursery,
             embedded = (await client.post("/v1/embeddings", json={"input": TEXTS[1]})).json()
     assert counted["tokens"] == built["tokenizer"].encode(TEXTS[1]).ids  # [CLS] ... [SEP], as the embedding is made
     assert counted["count"] == embedded["usage"]["prompt_tokens"]
+
+
+async def test_an_encoder_keeps_float32_weights_whatever_the_dtype(nursery, bert):
+    """--dtype bfloat16 (what auto is on a CPU with bf16) rounds a decoder's
+    weights; an encoder computes in float32, from its file's own values."""
+    built, pooling = bert
+    url = await start_server(nursery, attrs.evolve(make_settings(built["hf"]), engine=attrs.evolve(make_settings(built["hf"]).engine, dtype="bfloat16")))
+    with trio.fail_after(TIMEOUT):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            vector = (await client.post("/v1/embeddings", json={"input": TEXTS[0]})).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(np.array(vector), reference(built, pooling, TEXTS[0]), atol=1e-5)

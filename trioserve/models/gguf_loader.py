@@ -121,6 +121,8 @@ def load_gguf(path: Path, *, dtype: torch.dtype, progress: Progress | None = Non
         raise CheckpointError(path, "missing tensor 'token_embd.weight'")
     vocab = int(tensors["model.embed_tokens.weight"].shape[-1])
     config = config_from_gguf(meta, path, vocab_size=vocab, tie_embeddings="lm_head.weight" not in tensors)
+    if family_of(config.architecture).kind == "encoder":
+        dtype = torch.float32  # an encoder computes in float32 (models/bert.py): its weights are not rounded on the way
     for unsupported in ("rope_factors_long.weight", "rope_factors_short.weight"):
         if any(t.name == unsupported for t in reader.tensors):
             raise CheckpointError(path, f"tensor {unsupported!r}: LongRoPE frequency factors are not supported")

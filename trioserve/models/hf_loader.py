@@ -103,6 +103,8 @@ def hf_pooling(directory: Path) -> str | None:
 
 def load_hf_dir(directory: Path, *, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
     config = config_from_hf(_read_json(directory / "config.json"), directory / "config.json")
+    if family_of(config.architecture).kind == "encoder":
+        dtype = torch.float32  # an encoder computes in float32 (models/bert.py): its weights are not rounded on the way
     pooling = hf_pooling(directory)
     if pooling is not None:
         config = attrs.evolve(config, pooling=pooling)
