@@ -434,7 +434,7 @@ class DecoderModel:
             y = p.fixed(x, d) if self.batch_invariant else p(x, d)
             return self.lora.apply(layer, name, x, y, batch.lora_rows, self.batch_invariant) if batch.lora_rows else y
 
-        windowed = self._window_masks(batch)
+        windowed = self._window_masks(batch) if self.windows and not kernels.windows_in_place else {}  # the torch twin's masks
         x = self._rms_norm(h, self.layers[0].attn_norm) if self.layers else None
         for i, (layer, spec) in enumerate(zip(self.layers, self.specs)):
             qkv = project(layer.qkv, x, i, "qkv")
